@@ -1,0 +1,7 @@
+"""Sequence-parallel attention: Ulysses and FPDT, over pluggable local kernels."""
+
+from lightning_longctx.attention.fpdt import fpdt_attention
+from lightning_longctx.attention.kernels import KERNELS, MaskSpec
+from lightning_longctx.attention.ulysses import ulysses_attention
+
+__all__ = ["KERNELS", "MaskSpec", "fpdt_attention", "ulysses_attention"]

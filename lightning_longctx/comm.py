@@ -1,0 +1,174 @@
+"""Autograd-aware collectives for sequence parallelism. Every collective of the package lives here.
+
+Layouts: ``bshd`` = (batch, seq, heads, head_dim). ``P`` = size of the sequence-parallel group.
+
+* ``seq_to_head(x)``: (b, s, h, d) "my tokens, all heads" -> (b, P*s, h_r, d) "all tokens, my heads".
+* ``head_to_seq(x)``: the inverse. The backward of one is the other (scatter and gather swapped).
+
+Heads are split in contiguous blocks, rank r owning ``head_split(h, P)[r]`` heads; when ``h % P != 0``
+the first ``h % P`` ranks own one head more (``all_to_all_single`` with uneven split sizes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Group = Any  # a torch.distributed ProcessGroup or None (= the default group / single process)
+
+
+def group_rank_size(group: Group = None) -> tuple[int, int]:
+    """(rank, size) within ``group``; (0, 1) when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def head_split(num_heads: int, world: int) -> list[int]:
+    """Heads per rank: contiguous blocks, the first ``num_heads % world`` ranks get one more."""
+    base, extra = divmod(num_heads, world)
+    return [base + (1 if r < extra else 0) for r in range(world)]
+
+
+class CommStats:
+    """Bytes this process sent to OTHER ranks through all-to-alls (its own block is not counted).
+
+    A plain counter for benchmarks and tests: ``COMM_STATS.reset()``, run, read ``bytes_sent``.
+    """
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+        self.calls = 0
+
+    def reset(self) -> None:
+        self.bytes_sent = 0
+        self.calls = 0
+
+
+COMM_STATS = CommStats()
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group):
+    # gloo and NCCL both accept uneven split sizes; inputs must be contiguous (a permuted
+    # empty_like silently produced garbage in our tests).
+    inp = inp.contiguous()
+    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+    rank, _ = group_rank_size(group)
+    row_bytes = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
+    COMM_STATS.bytes_sent += (sum(in_splits) - in_splits[rank]) * row_bytes
+    COMM_STATS.calls += 1
+    return out
+
+
+def _seq_to_head(x: torch.Tensor, group: Group) -> torch.Tensor:
+    rank, world = group_rank_size(group)
+    b, s, h, d = x.shape
+    splits = head_split(h, world)
+    mine = splits[rank]
+    send = x.permute(2, 0, 1, 3).contiguous()  # (h, b, s, d): head blocks are dim-0 slices
+    recv = torch.empty((world * mine, b, s, d), dtype=x.dtype, device=x.device)
+    _all_to_all(recv, send, [mine] * world, splits, group)
+    # recv holds, per source rank j, its s tokens of my heads -> (b, P*s, mine, d)
+    return recv.view(world, mine, b, s, d).permute(2, 0, 3, 1, 4).reshape(b, world * s, mine, d)
+
+
+def _head_to_seq(x: torch.Tensor, num_heads: int, group: Group) -> torch.Tensor:
+    _rank, world = group_rank_size(group)
+    b, S, mine, d = x.shape
+    s = S // world
+    splits = head_split(num_heads, world)
+    send = x.view(b, world, s, mine, d).permute(1, 3, 0, 2, 4).contiguous()  # (P, mine, b, s, d)
+    recv = torch.empty((num_heads, b, s, d), dtype=x.dtype, device=x.device)
+    _all_to_all(recv, send.view(world * mine, b, s, d), splits, [mine] * world, group)
+    return recv.permute(1, 2, 0, 3)  # (b, s, h, d)
+
+
+class _SeqToHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group, ctx.num_heads = group, x.shape[2]
+        return _seq_to_head(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _head_to_seq(grad, ctx.num_heads, ctx.group), None
+
+
+class _HeadToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, num_heads: int, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return _head_to_seq(x, num_heads, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _seq_to_head(grad, ctx.group), None, None
+
+
+def seq_to_head(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """All-to-all ``(b, s, h, d)`` -> ``(b, P*s, h_r, d)``; rank order is sequence order."""
+    if x.dim() != 4:
+        raise ValueError(f"seq_to_head expects a bshd tensor (batch, seq, heads, head_dim), got shape {tuple(x.shape)}")
+    if group_rank_size(group)[1] == 1:
+        return x
+    return _SeqToHead.apply(x, group)
+
+
+def head_to_seq(x: torch.Tensor, num_heads: int, group: Group = None) -> torch.Tensor:
+    """All-to-all ``(b, P*s, h_r, d)`` -> ``(b, s, num_heads, d)``; inverse of :func:`seq_to_head`."""
+    if group_rank_size(group)[1] == 1:
+        return x
+    return _HeadToSeq.apply(x, num_heads, group)
+
+
+class _AllReduceSumIdentityGrad(torch.autograd.Function):
+    """Forward: sum over the group. Backward: identity.
+
+    Right when every rank back-propagates the SAME upstream gradient of the reduced value (a loss
+    that all ranks hold): rank r then receives exactly d(sum)/d(its contribution) = upstream.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def all_reduce_sum_identity_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    if group_rank_size(group)[1] == 1:
+        return x
+    return _AllReduceSumIdentityGrad.apply(x, group)
+
+
+def all_reduce_no_grad(x: torch.Tensor, group: Group = None, op: str = "sum") -> torch.Tensor:
+    """A reduced copy of ``x`` (no autograd); ``op`` in {"sum", "max", "min"}."""
+    x = x.detach().clone()
+    if group_rank_size(group)[1] > 1:
+        dist.all_reduce(x, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op], group=group)
+    return x
+
+
+def all_gather_no_grad(x: torch.Tensor, group: Group = None, dim: int = 0) -> torch.Tensor:
+    """Concatenate equal-shaped tensors of all ranks along ``dim`` in rank order (no autograd)."""
+    _, world = group_rank_size(group)
+    if world == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
+    _, world = group_rank_size(group)
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,586 @@
+"""Long-context datamodules: a synthetic key/value recall task and packed local text files.
+
+Both produce batches of dicts with ``(batch, seq_len)`` long tensors, in the Hugging Face
+convention: ``labels[t]`` is the token at ``t`` (or ``-100``), and the model's logits at ``t``
+predict ``labels[t + 1]`` after the usual shift (done by ``shard_batch`` before sharding under
+sequence parallelism). Nothing here downloads anything.
+
+The dataloaders are plain ``DataLoader``s without a sampler: Lightning injects the
+``DistributedSampler`` (over the data-parallel ranks only, see the strategy), so every rank of a
+sequence-parallel group sees the same sample and shards it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torchmetrics
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
+
+IGNORE_INDEX = -100
+
+__all__ = [
+    "ByteTokenizer",
+    "PackedDataset",
+    "RecallAccuracy",
+    "RecallDataModule",
+    "RecallDataset",
+    "TextFilesDataModule",
+    "pack_documents",
+    "recall_accuracy",
+]
+
+
+def _sample_seed(seed: int, split: str, index: int) -> int:
+    """A 63-bit seed that is a pure function of ``(seed, split, index)``.
+
+    A hash rather than ``seed + index`` so that neighbouring seeds and splits never share samples,
+    and rather than Python's ``hash`` so that it is the same in every process.
+    """
+    digest = hashlib.blake2b(f"{seed}/{split}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Synthetic key/value recall
+# ----------------------------------------------------------------------------------------------
+
+
+class RecallDataset(Dataset):
+    """Synthetic key/value recall: find the value of a key seen anywhere earlier in the sequence.
+
+    Token ids (``V = vocab_size``, ``n = V - 3`` non-special ids)::
+
+        0                      PAD   (never produced here; reserved so the ids match other data)
+        1                      QUERY marker
+        2                      SEP   marks the end of the haystack, before the queries
+        [3, 3 + n//4)          keys
+        [3 + n//4, 3 + n//2)   values
+        [3 + n//2, V)          filler noise
+
+    Layout of one sample of ``seq_len`` tokens::
+
+        filler ... k1 v1 ... filler ... k2 v2 ... filler   SEP  QUERY kq vq  [QUERY kq' vq' ...]
+
+    The ``num_pairs`` pairs are stratified: the haystack is cut into ``num_pairs`` equal segments
+    and each segment holds one pair at a random offset, so keys land in every sequence shard and
+    the answer for a query usually lives on another rank. Keys are distinct within a sample;
+    each query asks a distinct key. ``labels`` is ``-100`` everywhere except at the value token of
+    each query, where it equals that token.
+
+    Sample ``i`` is a pure function of ``(seed, split, i)``: the same in every process and after a
+    resume, whatever the sampler's order.
+    """
+
+    PAD = 0
+    QUERY = 1
+    SEP = 2
+    NUM_SPECIAL = 3
+
+    def __init__(
+        self,
+        *,
+        num_samples: int,
+        seq_len: int = 512,
+        vocab_size: int = 256,
+        num_pairs: int = 8,
+        num_queries: int = 1,
+        seed: int = 0,
+        split: str = "train",
+    ) -> None:
+        n = vocab_size - self.NUM_SPECIAL
+        self.key_range = (self.NUM_SPECIAL, self.NUM_SPECIAL + n // 4)
+        self.value_range = (self.key_range[1], self.NUM_SPECIAL + n // 2)
+        self.filler_range = (self.value_range[1], vocab_size)
+        num_keys = self.key_range[1] - self.key_range[0]
+        if num_samples < 0:
+            raise ValueError(f"num_samples={num_samples} must be >= 0.")
+        if num_pairs < 1 or num_queries < 1:
+            raise ValueError(f"num_pairs={num_pairs} and num_queries={num_queries} must both be >= 1.")
+        if num_queries > num_pairs:
+            raise ValueError(
+                f"num_queries={num_queries} > num_pairs={num_pairs}: each query asks a distinct key "
+                "of the sample; lower num_queries or raise num_pairs."
+            )
+        if num_keys < num_pairs or self.filler_range[1] - self.filler_range[0] < 1:
+            raise ValueError(
+                f"vocab_size={vocab_size} leaves {num_keys} key ids for num_pairs={num_pairs} distinct "
+                f"keys (keys get a quarter of the {n} non-special ids); use vocab_size >= "
+                f"{4 * num_pairs + self.NUM_SPECIAL} or fewer pairs."
+            )
+        self.query_len = 1 + 3 * num_queries  # SEP, then (QUERY, key, value) per query
+        haystack = seq_len - self.query_len
+        if haystack < 2 * num_pairs:
+            raise ValueError(
+                f"seq_len={seq_len} is too short for num_pairs={num_pairs} and num_queries={num_queries}: "
+                f"need seq_len >= {2 * num_pairs + self.query_len}."
+            )
+        self.num_samples = num_samples
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        self.num_pairs = num_pairs
+        self.num_queries = num_queries
+        self.seed = seed
+        self.split = split
+
+    @property
+    def num_value_tokens(self) -> int:
+        """Number of distinct value ids; chance accuracy is ``1 / num_value_tokens``."""
+        return self.value_range[1] - self.value_range[0]
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        """``{"input_ids": (seq_len,), "labels": (seq_len,)}``, both ``torch.long``."""
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"index {index} out of range for {self.num_samples} samples")
+        g = torch.Generator().manual_seed(_sample_seed(self.seed, self.split, index))
+        s, p = self.seq_len, self.num_pairs
+        ids = torch.randint(*self.filler_range, (s,), generator=g)
+        keys = self.key_range[0] + torch.randperm(self.key_range[1] - self.key_range[0], generator=g)[:p]
+        values = torch.randint(*self.value_range, (p,), generator=g)
+
+        # Stratified placement: segment j = [bounds[j], bounds[j+1]) holds pair j at an offset
+        # that leaves room for both tokens; haystack // p >= 2 is checked in __init__.
+        haystack = s - self.query_len
+        bounds = [j * haystack // p for j in range(p + 1)]
+        for j in range(p):
+            room = bounds[j + 1] - bounds[j] - 1  # number of valid start offsets
+            start = bounds[j] + int(torch.randint(room, (1,), generator=g))
+            ids[start] = keys[j]
+            ids[start + 1] = values[j]
+
+        labels = torch.full((s,), IGNORE_INDEX, dtype=torch.long)
+        ids[haystack] = self.SEP
+        asked = torch.randperm(p, generator=g)[: self.num_queries]
+        for q, j in enumerate(asked.tolist()):
+            at = haystack + 1 + 3 * q
+            ids[at] = self.QUERY
+            ids[at + 1] = keys[j]
+            ids[at + 2] = values[j]
+            labels[at + 2] = values[j]
+        return {"input_ids": ids, "labels": labels}
+
+
+class RecallDataModule(L.LightningDataModule):
+    """Synthetic long-context key/value recall (see :class:`RecallDataset` for the token layout).
+
+    A model solves it only if attention reaches across the whole sequence, so under sequence
+    parallelism it only if attention reaches across ranks: a quick end-to-end check of the
+    strategy. Chance accuracy is ``1 / num_value_tokens`` (``1/63`` with the default
+    ``vocab_size=256``); measure it with :class:`RecallAccuracy`.
+
+    Args:
+        seq_len: tokens per sample.
+        vocab_size: total token ids, specials included; the model's vocabulary must be at least this.
+        num_pairs: key/value pairs spread over the whole sequence.
+        num_queries: queries at the end of the sequence, each asking a distinct key of the sample.
+        batch_size: samples per batch per data-parallel rank.
+        train_samples / val_samples: dataset sizes.
+        seed: sample ``i`` of a split is a pure function of ``(seed, split, i)``.
+        num_workers: ``DataLoader`` workers.
+    """
+
+    def __init__(
+        self,
+        seq_len: int = 512,
+        vocab_size: int = 256,
+        num_pairs: int = 8,
+        num_queries: int = 1,
+        batch_size: int = 1,
+        train_samples: int = 512,
+        val_samples: int = 64,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        common = dict(
+            seq_len=seq_len, vocab_size=vocab_size, num_pairs=num_pairs, num_queries=num_queries, seed=seed
+        )
+        # Built here, not in setup(): they are cheap (samples are made on access) and building
+        # them validates the arguments as soon as the CLI parses them.
+        self.train_dataset = RecallDataset(num_samples=train_samples, split="train", **common)
+        self.val_dataset = RecallDataset(num_samples=val_samples, split="val", **common)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.train_dataset.vocab_size
+
+    @property
+    def num_value_tokens(self) -> int:
+        return self.train_dataset.num_value_tokens
+
+    @property
+    def chance_accuracy(self) -> float:
+        return 1.0 / self.num_value_tokens
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self.train_dataset, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers
+        )
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self.val_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
+        )
+
+
+def recall_accuracy(
+    logits: Tensor, labels: Tensor, *, shifted: bool = False, ignore_index: int = IGNORE_INDEX
+) -> tuple[Tensor, Tensor]:
+    """Count argmax hits over the positions with a label.
+
+    Args:
+        logits: ``(batch, seq, vocab)``.
+        labels: ``(batch, seq)``. With ``shifted=False``, HF labels: logits at ``t`` are scored
+            against ``labels[t + 1]``. With ``shifted=True``, already shifted labels (the
+            ``shift_labels`` of ``shard_batch``): logits at ``t`` are scored against ``labels[t]``.
+        ignore_index: label value that marks positions not scored.
+
+    Returns:
+        ``(correct, total)``: 0-d long tensors on ``logits.device``.
+    """
+    if not shifted:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on (batch, seq)"
+            + ("" if shifted else " after the shift")
+        )
+    mask = labels != ignore_index
+    # Index before argmax: only a few positions carry a label, and (batch, seq, vocab) is big.
+    pred = logits[mask].argmax(dim=-1)
+    correct = (pred == labels[mask]).sum()
+    total = mask.sum()
+    return correct, total
+
+
+class RecallAccuracy(torchmetrics.Metric):
+    """Accuracy of the argmax prediction at labelled positions (the recall answers).
+
+    ``update(logits, labels, shifted=False)`` takes ``logits (batch, seq, vocab)`` and
+    ``labels (batch, seq)``; see :func:`recall_accuracy` for ``shifted``. Chance level is
+    ``1 / num_value_tokens`` of the datamodule.
+
+    Under sequence parallelism each rank holds only its shard of the logits: pass the shard's
+    pre-shifted ``shift_labels`` with ``shifted=True`` (shifting a shard locally would drop the
+    label at its right edge). The metric sums ``correct`` and ``total`` and torchmetrics sums those
+    over all processes at ``compute()``, so the result is the global accuracy; ranks of one SP
+    group hold disjoint positions, so nothing is counted twice.
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    correct: Tensor
+    total: Tensor
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ignore_index = ignore_index
+        self.add_state("correct", default=torch.tensor(0), dist_reduce_fx="sum")
+        self.add_state("total", default=torch.tensor(0), dist_reduce_fx="sum")
+
+    @override
+    def update(self, logits: Tensor, labels: Tensor, shifted: bool = False) -> None:
+        correct, total = recall_accuracy(logits, labels, shifted=shifted, ignore_index=self.ignore_index)
+        self.correct += correct
+        self.total += total
+
+    @override
+    def compute(self) -> Tensor:
+        # 0.0 rather than NaN when nothing was labelled (e.g. a sanity check on an empty shard).
+        return self.correct.float() / self.total.clamp(min=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed local text files
+# ----------------------------------------------------------------------------------------------
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens, no vocabulary file needed.
+
+    Ids: ``0`` PAD, ``1`` BOS, ``2`` EOS, ``3 + b`` for byte ``b``; ``vocab_size = 259``.
+    """
+
+    pad_token_id = 0
+    bos_token_id = 1
+    eos_token_id = 2
+    offset = 3
+    vocab_size = 256 + offset
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self.offset for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Inverse of :meth:`encode`; special ids are dropped, broken UTF-8 is replaced."""
+        return bytes(i - self.offset for i in ids if i >= self.offset).decode("utf-8", errors="replace")
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+class _HFTokenizer:
+    """Adapter giving a local ``transformers`` tokenizer the :class:`ByteTokenizer` interface."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        # local_files_only: this package never downloads; a hub name fails here, clearly.
+        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.bos_token_id: int | None = self.tok.bos_token_id
+        self.eos_token_id: int | None = self.tok.eos_token_id
+        if self.eos_token_id is None:
+            raise ValueError(
+                f"tokenizer {path!r} has no EOS token; packing needs one to separate documents. "
+                "Set `eos_token` in its tokenizer_config.json."
+            )
+        # Pads are never trained on (labels -100), so EOS is a safe stand-in when no PAD exists.
+        pad = self.tok.pad_token_id
+        self.pad_token_id: int = self.eos_token_id if pad is None else pad
+        self.vocab_size = len(self.tok)
+
+    def encode(self, text: str) -> list[int]:
+        # verbose=False: documents are longer than model_max_length by design; we pack them.
+        return self.tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+def _find_files(paths: Sequence[str]) -> list[Path]:
+    """``.txt`` / ``.jsonl`` files named in ``paths`` or found (recursively) under them, sorted."""
+    suffixes = (".txt", ".jsonl")
+    if isinstance(paths, str):  # a bare string would be iterated character by character
+        paths = [paths]
+    files: list[Path] = []
+    missing: list[str] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files.extend(sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in suffixes))
+        elif p.is_file():
+            if p.suffix not in suffixes:
+                raise ValueError(
+                    f"{str(p)!r} is neither .txt (one document) nor .jsonl (one document per line); "
+                    "rename it or convert it."
+                )
+            files.append(p)
+        else:
+            missing.append(str(p))
+    if missing:
+        raise ValueError(f"paths {missing} do not exist; pass existing .txt/.jsonl files or directories.")
+    if not files:
+        raise ValueError(
+            f"no .txt or .jsonl files found in paths={list(map(str, paths))}; pass files or "
+            "directories that contain .txt (one document per file) or .jsonl (one document per line) files."
+        )
+    return files
+
+
+def _read_documents(files: Sequence[Path], text_key: str) -> list[str]:
+    """Non-empty documents in file order: a whole ``.txt`` file, or each ``.jsonl`` line's ``text_key``."""
+    docs: list[str] = []
+    for f in files:
+        if f.suffix == ".txt":
+            docs.append(f.read_text(encoding="utf-8"))
+            continue
+        with f.open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if not isinstance(record, dict) or text_key not in record:
+                    raise ValueError(
+                        f"{f}:{lineno} has no key {text_key!r}; set text_key to the field holding the text."
+                    )
+                docs.append(str(record[text_key]))
+    return [d for d in docs if d]
+
+
+def pack_documents(
+    docs: Sequence[Sequence[int]], *, seq_len: int, pad_id: int, ignore_index: int = IGNORE_INDEX
+) -> dict[str, Tensor]:
+    """Concatenate tokenized documents and cut them into ``seq_len`` rows.
+
+    Each document in ``docs`` should already end with EOS. Documents may straddle rows; their
+    positions then continue in the next row.
+
+    Returns:
+        ``input_ids``, ``labels``, ``position_ids``, each ``(num_rows, seq_len)`` long, where
+
+        - ``position_ids`` restart at 0 at every document start (document-resetting positions:
+          the package's attention never attends across a reset, and RoPE sees each document
+          from position 0);
+        - ``labels`` = ``input_ids``, except ``ignore_index`` at document starts (so no loss asks
+          to predict a document's first token from the previous document) and on padding;
+        - the last row is padded with ``pad_id``; pad positions continue after the last token.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be >= 1.")
+    lengths = torch.tensor([len(d) for d in docs], dtype=torch.long)
+    if len(docs) == 0 or int(lengths.sum()) == 0:
+        raise ValueError("no tokens to pack: every document is empty.")
+    ids = torch.cat([torch.as_tensor(list(d), dtype=torch.long) for d in docs])
+    total = ids.numel()
+    starts = torch.cumsum(lengths, 0) - lengths
+    # position within the own document: global index minus the document's start index
+    pos = torch.arange(total) - torch.repeat_interleave(starts, lengths)
+
+    rows = -(-total // seq_len)
+    n_pad = rows * seq_len - total
+    ids = torch.cat([ids, torch.full((n_pad,), pad_id, dtype=torch.long)])
+    pos = torch.cat([pos, pos[-1] + 1 + torch.arange(n_pad)])
+    labels = ids.clone()
+    labels[pos == 0] = ignore_index
+    labels[total:] = ignore_index
+    return {
+        "input_ids": ids.view(rows, seq_len),
+        "labels": labels.view(rows, seq_len),
+        "position_ids": pos.view(rows, seq_len),
+    }
+
+
+class PackedDataset(Dataset):
+    """Rows of :func:`pack_documents`: items are dicts of ``(seq_len,)`` long tensors."""
+
+    def __init__(self, packed: dict[str, Tensor]) -> None:
+        self.packed = packed
+
+    def __len__(self) -> int:
+        return self.packed["input_ids"].shape[0]
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        return {k: v[index] for k, v in self.packed.items()}
+
+
+class TextFilesDataModule(L.LightningDataModule):
+    """Local text, tokenized and packed into ``seq_len`` sequences with document-resetting positions.
+
+    Items: ``input_ids``, ``labels``, ``position_ids``, each ``(seq_len,)`` long; see
+    :func:`pack_documents` for the packing rules (positions reset to 0 at each document start,
+    ``labels = -100`` there and on padding). Each document is ``[BOS] tokens EOS`` (BOS only when
+    the tokenizer has one and ``add_bos``). The corpus is read and tokenized in ``setup()`` by
+    every process and held in memory: meant for corpora that fit in RAM.
+
+    Args:
+        paths: ``.txt`` files (whole file = one document), ``.jsonl`` files (one document per line,
+            text under ``text_key``), or directories searched recursively for both.
+        seq_len: tokens per packed sequence (the global length, before sequence sharding).
+        batch_size: sequences per batch per data-parallel rank.
+        tokenizer: a LOCAL directory for ``AutoTokenizer.from_pretrained(..., local_files_only=True)``;
+            ``None`` uses :class:`ByteTokenizer` (PAD 0, BOS 1, EOS 2, byte ``b`` -> ``3 + b``; 259 ids).
+        text_key: field of a ``.jsonl`` record that holds the text.
+        val_fraction: fraction of documents (chosen by ``seed``) held out for validation.
+        seed: seeds the validation split.
+        num_workers: ``DataLoader`` workers.
+        add_bos: prepend the tokenizer's BOS to each document.
+    """
+
+    def __init__(
+        self,
+        paths: list[str],
+        seq_len: int = 2048,
+        batch_size: int = 1,
+        tokenizer: str | None = None,
+        text_key: str = "text",
+        val_fraction: float = 0.0,
+        seed: int = 0,
+        num_workers: int = 0,
+        add_bos: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction={val_fraction} must be in [0, 1).")
+        if seq_len < 1:
+            raise ValueError(f"seq_len={seq_len} must be >= 1.")
+        self.paths = [paths] if isinstance(paths, str) else list(paths)
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.tokenizer_path = tokenizer
+        self.text_key = text_key
+        self.val_fraction = val_fraction
+        self.seed = seed
+        self.num_workers = num_workers
+        self.add_bos = add_bos
+        self._tokenizer: ByteTokenizer | _HFTokenizer | None = None
+        self.train_dataset: PackedDataset | None = None
+        self.val_dataset: PackedDataset | None = None
+
+    @property
+    def tokenizer(self) -> ByteTokenizer | _HFTokenizer:
+        """Loaded on first use, so constructing the datamodule (e.g. by the CLI) stays cheap."""
+        if self._tokenizer is None:
+            self._tokenizer = (
+                ByteTokenizer() if self.tokenizer_path is None else _HFTokenizer(self.tokenizer_path)
+            )
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def _tokenize(self, text: str) -> list[int]:
+        tok = self.tokenizer
+        bos = [tok.bos_token_id] if self.add_bos and tok.bos_token_id is not None else []
+        return bos + tok.encode(text) + [tok.eos_token_id]
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_dataset is not None:
+            return
+        docs = _read_documents(_find_files(self.paths), self.text_key)
+        if not docs:
+            raise ValueError(f"all documents in paths={self.paths} are empty; nothing to train on.")
+        # At least one validation document whenever validation was asked for.
+        n_val = max(round(self.val_fraction * len(docs)), 1) if self.val_fraction > 0 else 0
+        if n_val >= len(docs):
+            raise ValueError(
+                f"val_fraction={self.val_fraction} of {len(docs)} documents leaves none for training; "
+                "add documents or lower val_fraction."
+            )
+        # A seeded choice of validation documents, kept in their original order: the same split
+        # in every process, and whole documents, so no text is both trained and validated on.
+        is_val = torch.zeros(len(docs), dtype=torch.bool)
+        is_val[torch.randperm(len(docs), generator=torch.Generator().manual_seed(self.seed))[:n_val]] = True
+        pad = self.tokenizer.pad_token_id
+        train_tokens = [self._tokenize(d) for d, v in zip(docs, is_val.tolist()) if not v]
+        self.train_dataset = PackedDataset(pack_documents(train_tokens, seq_len=self.seq_len, pad_id=pad))
+        if n_val:
+            val_tokens = [self._tokenize(d) for d, v in zip(docs, is_val.tolist()) if v]
+            self.val_dataset = PackedDataset(pack_documents(val_tokens, seq_len=self.seq_len, pad_id=pad))
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        return DataLoader(
+            self.train_dataset, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers
+        )
+
+    @override
+    def val_dataloader(self) -> DataLoader | list:
+        self.setup("validate")
+        if self.val_dataset is None:
+            return []  # val_fraction=0: Lightning skips validation for an empty list
+        return DataLoader(
+            self.val_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
+        )

@@ -1,0 +1,158 @@
+"""Cut a batch into this rank's piece of the sequence, and put pieces back together.
+
+Two layouts of a global sequence of N tokens over P ranks:
+
+* contiguous (``chunk_size=None``, Ulysses): rank r holds tokens ``[r*N/P, (r+1)*N/P)``.
+* FPDT (``chunk_size=c``): the sequence is cut into chunks of c tokens and rank r holds chunks
+  ``r, r+P, r+2P, ...`` in that order, so that after the all-to-all of its i-th local chunk every
+  rank holds the contiguous global segment i (``P*c`` tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lightning_longctx.comm import Group, all_gather_no_grad, group_rank_size
+
+#: Keys of a batch dict that carry a sequence dimension (dim 1) and are sharded.
+SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "token_type_ids")
+
+
+def _segment(n: int, world: int, chunk_size: int | None) -> int:
+    """Tokens per layout segment: ``chunk_size``, or the whole local shard (contiguous layout)."""
+    if chunk_size is None:
+        if n % world:
+            raise ValueError(
+                f"sequence length {n} is not divisible by the sequence-parallel size {world}; "
+                "pad it to a multiple of it (shard_batch does this for you)"
+            )
+        return n // world
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    if n % (world * chunk_size):
+        raise ValueError(
+            f"sequence length {n} is not divisible by sequence-parallel size x chunk_size = "
+            f"{world} x {chunk_size} = {world * chunk_size}; pad the sequence (shard_batch does) "
+            "or pick a chunk_size that divides the local length"
+        )
+    return chunk_size
+
+
+def shard_sequence(x: torch.Tensor, *, group: Group = None, dim: int = 1, chunk_size: int | None = None) -> torch.Tensor:
+    """This rank's part of ``x`` along ``dim`` (length N) in the chosen layout; N must divide
+    (``N % P == 0``, or ``N % (P*chunk_size) == 0`` for the FPDT layout)."""
+    rank, world = group_rank_size(group)
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    seg = _segment(n, world, chunk_size)
+    parts = x.unflatten(dim, (n // (world * seg), world, seg))  # (..., u, P, seg, ...)
+    return parts.select(dim + 1, rank).flatten(dim, dim + 1).contiguous()
+
+
+def gather_sequence(x: torch.Tensor, *, group: Group = None, dim: int = 1, chunk_size: int | None = None) -> torch.Tensor:
+    """Inverse of :func:`shard_sequence`: the full sequence on every rank (no autograd)."""
+    _, _world = group_rank_size(group)
+    dim = dim % x.dim()
+    local = x.shape[dim]
+    seg = local if chunk_size is None else chunk_size
+    if local % seg:
+        raise ValueError(f"local length {local} is not a multiple of chunk_size {seg}")
+    stacked = all_gather_no_grad(x.unsqueeze(dim), group, dim=dim)  # (..., P, local, ...)
+    parts = stacked.unflatten(dim + 1, (local // seg, seg)).transpose(dim, dim + 1)  # (..., u, P, seg, ...)
+    return parts.flatten(dim, dim + 2).contiguous()
+
+
+def _pad(x: torch.Tensor, pad: int, value: int | float) -> torch.Tensor:
+    if pad == 0:
+        return x
+    return torch.cat([x, x.new_full((x.shape[0], pad, *x.shape[2:]), value)], dim=1)
+
+
+def _check_padding_mask(mask: torch.Tensor, shape: torch.Size) -> None:
+    if mask.dim() != 2:
+        raise ValueError(
+            f"attention_mask has {mask.dim()} dims (shape {tuple(mask.shape)}); only a 2-D padding mask "
+            "(batch, seq) is supported under sequence parallelism. For packed sequences pass position_ids "
+            "that restart at 0 per document instead of a 4-D mask"
+        )
+    if mask.shape != shape:
+        raise ValueError(f"attention_mask shape {tuple(mask.shape)} differs from input_ids shape {tuple(shape)}")
+    m = mask.to(torch.int8)
+    if bool((m[:, 1:] > m[:, :-1]).any()):
+        raise ValueError(
+            "attention_mask has a 0 before a 1 (left padding or holes); sequence-parallel attention is causal "
+            "and supports only right padding. Pad on the right (tokenizer.padding_side='right') or pack "
+            "documents with position_ids that restart at 0"
+        )
+
+
+def shard_batch(
+    batch: Mapping[str, Any],
+    *,
+    group: Group = None,
+    chunk_size: int | None = None,
+    ignore_index: int = -100,
+    pad_token_id: int = 0,
+) -> dict[str, Any]:
+    """This rank's slice of a batch dict, with labels shifted BEFORE slicing and global positions.
+
+    Input keys (all ``(b, N)``): ``input_ids`` (required), optional ``labels``, ``shift_labels``,
+    ``position_ids``, ``attention_mask`` (2-D, right padding only), ``token_type_ids``. Other keys pass
+    through untouched.
+
+    Returns the same keys sharded to ``(b, N_pad/P)`` plus ``position_ids`` (GLOBAL; ``arange(N)`` when
+    absent) and, when labels were given, ``shift_labels`` with ``shift[t] = labels[t+1]`` and the last
+    token ``ignore_index`` — so no target is lost at a shard edge. ``labels`` then holds the same
+    pre-shifted shard (HF computes a loss only when ``labels`` is given and uses ``shift_labels``).
+
+    Lengths that don't divide are padded at the END to a multiple of ``P`` (``P*chunk_size`` in the FPDT
+    layout): ``input_ids`` with ``pad_token_id``, labels with ``ignore_index``, positions continue,
+    ``attention_mask`` with 0. Causal attention keeps pads from changing any real token's output.
+    """
+    if not isinstance(batch, Mapping) or "input_ids" not in batch:
+        keys = list(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        raise ValueError(
+            f"sequence parallelism needs a dict batch with 'input_ids' of shape (batch, seq); got {keys}. "
+            "Return a dict from your dataset/collate_fn (inputs_embeds is not supported)"
+        )
+    ids = batch["input_ids"]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError(f"input_ids must be a (batch, seq) tensor, got {getattr(ids, 'shape', type(ids))}")
+    b, n = ids.shape
+    _, world = group_rank_size(group)
+    multiple = world * (chunk_size or 1)
+    pad = -n % multiple
+
+    seqs: dict[str, torch.Tensor] = {}
+    for key in SEQUENCE_KEYS:
+        val = batch.get(key)
+        if val is None:
+            continue
+        if key == "attention_mask":
+            _check_padding_mask(val, ids.shape)
+        elif not isinstance(val, torch.Tensor) or val.shape[:2] != ids.shape:
+            raise ValueError(f"{key} shape {tuple(getattr(val, 'shape', ()))} differs from input_ids shape {tuple(ids.shape)}")
+        seqs[key] = val
+
+    if "shift_labels" not in seqs and "labels" in seqs:
+        labels = seqs["labels"]
+        seqs["shift_labels"] = torch.cat([labels[:, 1:], labels.new_full((b, 1), ignore_index)], dim=1)
+    if "shift_labels" in seqs:
+        seqs["labels"] = seqs["shift_labels"]
+    pos = seqs.get("position_ids")
+    if pos is None:
+        pos = torch.arange(n, device=ids.device).expand(b, n)
+    if pad:
+        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1, device=pos.device)], dim=1)
+    seqs["position_ids"] = pos
+
+    pad_value = {"input_ids": pad_token_id, "labels": ignore_index, "shift_labels": ignore_index}
+    out = dict(batch)
+    for key, val in seqs.items():
+        if key != "position_ids":
+            val = _pad(val, pad, pad_value.get(key, 0))
+        out[key] = shard_sequence(val, group=group, dim=1, chunk_size=chunk_size)
+    return out

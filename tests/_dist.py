@@ -1,0 +1,123 @@
+"""Run functions on real gloo process groups (spawned CPU processes).
+
+``DistPool(P)`` starts P processes once, initialises a gloo group of size P in each and then runs
+any picklable function on all ranks: ``pool.run(fn, *args)`` returns ``[fn(*args) on rank 0, ...]``.
+A failure on any rank raises with that rank's traceback; the pool is then torn down (the other ranks
+may be stuck in a collective) and the fixture builds a fresh one for the next test.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RESULT_TIMEOUT_S = float(os.environ.get("LONGCTX_TEST_TIMEOUT", "240"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=RESULT_TIMEOUT_S),
+    )
+    try:
+        while True:
+            job = inbox.get()
+            if job is None:
+                break
+            fn, args, kwargs = job
+            try:
+                outbox.put((rank, True, _to_cpu(fn(*args, **kwargs))))
+            except BaseException:
+                outbox.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class DistPool:
+    """P spawned processes sharing one gloo process group (the default group)."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        port = free_port()
+        self._inboxes = [ctx.Queue() for _ in range(world_size)]
+        self._outbox = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self._inboxes[r], self._outbox), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self.broken = False
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        for box in self._inboxes:
+            box.put((fn, args, kwargs))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        try:
+            for _ in range(self.world_size):
+                rank, ok, payload = self._outbox.get(timeout=RESULT_TIMEOUT_S)
+                (results if ok else errors)[rank] = payload
+                if errors:
+                    break
+        except queue.Empty:
+            self.broken = True
+            raise AssertionError(
+                f"{fn.__name__}: ranks {sorted(set(range(self.world_size)) - set(results))} gave no result "
+                f"within {RESULT_TIMEOUT_S:.0f}s (deadlock or crash)"
+            ) from None
+        if errors:
+            self.broken = True
+            rank = min(errors)
+            raise AssertionError(f"{fn.__name__} failed on rank {rank} of {self.world_size}:\n{errors[rank]}")
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        if not self.broken:
+            for box in self._inboxes:
+                box.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def run_spawned(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """One-shot: start ``world_size`` fresh processes, run ``fn``, tear everything down."""
+    pool = DistPool(world_size)
+    try:
+        return pool.run(fn, *args, **kwargs)
+    finally:
+        pool.close()

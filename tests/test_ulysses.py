@@ -1,0 +1,126 @@
+"""Ulysses attention vs a float64 single-process reference on real gloo groups (P = 1, 2, 4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from reference import packed_positions, reference_attention
+
+from lightning_longctx import gather_sequence, shard_sequence, ulysses_attention
+from lightning_longctx.comm import COMM_STATS
+
+CASES = {
+    "causal_mha": dict(h=4, h_kv=4),
+    "noncausal": dict(h=4, h_kv=4, causal=False),
+    "gqa_kv1": dict(h=4, h_kv=1),  # h_kv < P: kv heads replicated
+    "gqa_6_3": dict(h=6, h_kv=3),  # h_kv does not divide P
+    "uneven_heads": dict(h=5, h_kv=5),  # h % P != 0: uneven all-to-all split
+    "uneven_gqa": dict(h=6, h_kv=2),  # P=4: h % P != 0 with GQA
+    "packed_docs": dict(h=4, h_kv=2, packed=[5, 11, 3, 13]),
+    "packed_noncausal": dict(h=4, h_kv=4, packed=[7, 9], causal=False),
+    "batch3_scale": dict(h=4, h_kv=2, b=3, scale=0.3),
+    "sliding_window": dict(h=4, h_kv=4, window=5),
+    "softcap": dict(h=4, h_kv=4, softcap=2.0, backend="math"),
+}
+
+
+def _run_case(name: str, backend: str) -> dict:
+    cfg = CASES[name]
+    _rank, _world = dist.get_rank(), dist.get_world_size()
+    b, n, d = cfg.get("b", 2), 16, 8
+    causal = cfg.get("causal", True)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, n, cfg["h"], d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, n, cfg["h_kv"], d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, n, cfg["h_kv"], d, generator=g, dtype=torch.float64)
+    w = torch.randn(b, n, cfg["h"], d, generator=g, dtype=torch.float64)
+    pos = packed_positions(b, n, cfg["packed"]) if "packed" in cfg else None
+    kw = dict(causal=causal, scale=cfg.get("scale"), sliding_window=cfg.get("window"), softcap=cfg.get("softcap"))
+
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = reference_attention(*ref_in, position_ids=pos, **kw)
+    (ref * w).sum().backward()
+
+    loc = [shard_sequence(x).requires_grad_() for x in (q, k, v)]
+    out = ulysses_attention(
+        *loc,
+        causal=causal,
+        softmax_scale=cfg.get("scale"),
+        position_ids=None if pos is None else shard_sequence(pos),
+        backend=cfg.get("backend", backend),
+        sliding_window=cfg.get("window"),
+        softcap=cfg.get("softcap"),
+    )
+    (out * shard_sequence(w)).sum().backward()
+    full_out = gather_sequence(out.detach())
+    errs = {"out": (full_out - ref.detach()).abs().max().item()}
+    for nm, x, r in zip("qkv", loc, ref_in):
+        errs["d" + nm] = (gather_sequence(x.grad) - r.grad).abs().max().item()
+    return errs
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("name", list(CASES))
+def test_ulysses_matches_reference(dist_pool, world, name):
+    for errs in dist_pool(world).run(_run_case, name, "math"):
+        assert max(errs.values()) < 1e-10, errs
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["causal_mha", "gqa_kv1", "packed_docs", "uneven_heads"])
+def test_ulysses_sdpa_backend(dist_pool, world, name):
+    for errs in dist_pool(world).run(_run_case, name, "sdpa"):
+        assert max(errs.values()) < 1e-10, errs
+
+
+def _count_bytes(b: int, n: int, h: int, d: int) -> tuple[int, int]:
+    world = dist.get_world_size()
+    x = [torch.randn(b, n // world, h, d, requires_grad=True) for _ in range(3)]
+    COMM_STATS.reset()
+    ulysses_attention(*x, backend="math").sum().backward()
+    fwd_bwd = COMM_STATS.bytes_sent
+    return fwd_bwd, COMM_STATS.calls
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ulysses_bytes_match_formula(dist_pool, world):
+    """Each rank sends (P-1)/P of each q, k, v, out shard forward and as much backward: 4·N·h·d/P·(P-1)/P·2."""
+    b, n, h, d = 1, 32, 4, 8
+    for sent, calls in dist_pool(world).run(_count_bytes, b, n, h, d):
+        per_tensor = b * (n // world) * h * d * 4 * (world - 1) // world
+        assert calls == 8
+        assert sent == 8 * per_tensor
+
+
+def _bad_inputs() -> list[str]:
+    world = dist.get_world_size()
+    msgs = []
+    good = torch.randn(1, 4, 4, 8)
+    attempts = [
+        lambda: ulysses_attention(torch.randn(4, 4, 8), good, good),
+        lambda: ulysses_attention(good, torch.randn(1, 4, 4, 6), torch.randn(1, 4, 4, 6)),
+        lambda: ulysses_attention(good, torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8)),
+        lambda: ulysses_attention(good, good, good, backend="nope"),
+        lambda: shard_sequence(torch.randn(1, 4 * world + 1, 2)),
+        lambda: shard_sequence(torch.randn(1, 4 * world, 2), chunk_size=3),
+    ]
+    for fn in attempts:
+        try:
+            fn()
+        except ValueError as e:
+            msgs.append(str(e))
+        else:
+            msgs.append("NO ERROR")
+    return msgs
+
+
+def test_bad_inputs_raise_clear_errors(dist_pool):
+    for msgs in dist_pool(2).run(_bad_inputs):
+        assert "NO ERROR" not in msgs, msgs
+        assert "bshd" in msgs[0] and "3-D" in msgs[0]
+        assert "head_dim differs" in msgs[1] and "6" in msgs[1]
+        assert "multiple of key/value heads (3)" in msgs[2]
+        assert "'nope'" in msgs[3]
+        assert "not divisible by the sequence-parallel size 2" in msgs[4] and "pad" in msgs[4]
+        assert "2 x 3 = 6" in msgs[5]
