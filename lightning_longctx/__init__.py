@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from lightning.pytorch.strategies import StrategyRegistry
+
 from lightning_longctx.attention import fpdt_attention, ulysses_attention
+from lightning_longctx.integrations.transformers import enable_sequence_parallel
 from lightning_longctx.loss import sequence_parallel_cross_entropy
 from lightning_longctx.sharding import gather_sequence, shard_batch, shard_sequence
+from lightning_longctx.strategy import UlyssesFPDTStrategy
+
+UlyssesFPDTStrategy.register_strategies(StrategyRegistry)
 
 try:
     __version__ = version("lightning-longctx")
@@ -14,7 +20,9 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "UlyssesFPDTStrategy",
     "__version__",
+    "enable_sequence_parallel",
     "fpdt_attention",
     "gather_sequence",
     "sequence_parallel_cross_entropy",

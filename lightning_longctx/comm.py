@@ -50,7 +50,9 @@ class CommStats:
 COMM_STATS = CommStats()
 
 
-def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group):
+def _all_to_all(
+    out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group
+):
     # gloo and NCCL both accept uneven split sizes; inputs must be contiguous (a permuted
     # empty_like silently produced garbage in our tests).
     inp = inp.contiguous()
@@ -110,7 +112,9 @@ class _HeadToSeq(torch.autograd.Function):
 def seq_to_head(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """All-to-all ``(b, s, h, d)`` -> ``(b, P*s, h_r, d)``; rank order is sequence order."""
     if x.dim() != 4:
-        raise ValueError(f"seq_to_head expects a bshd tensor (batch, seq, heads, head_dim), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"seq_to_head expects a bshd tensor (batch, seq, heads, head_dim), got shape {tuple(x.shape)}"
+        )
     if group_rank_size(group)[1] == 1:
         return x
     return _SeqToHead.apply(x, group)
@@ -151,7 +155,11 @@ def all_reduce_no_grad(x: torch.Tensor, group: Group = None, op: str = "sum") ->
     """A reduced copy of ``x`` (no autograd); ``op`` in {"sum", "max", "min"}."""
     x = x.detach().clone()
     if group_rank_size(group)[1] > 1:
-        dist.all_reduce(x, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op], group=group)
+        dist.all_reduce(
+            x,
+            op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op],
+            group=group,
+        )
     return x
 
 

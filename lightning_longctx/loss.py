@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from lightning_longctx.comm import Group, all_reduce_no_grad, all_reduce_sum_identity_grad
 
 
-def global_valid_count(shift_labels: torch.Tensor, *, group: Group = None, ignore_index: int = -100) -> torch.Tensor:
+def global_valid_count(
+    shift_labels: torch.Tensor, *, group: Group = None, ignore_index: int = -100
+) -> torch.Tensor:
     """Number of non-ignored targets over the whole SP group (a 0-dim int64 tensor, no autograd)."""
     return all_reduce_no_grad((shift_labels != ignore_index).sum(), group)
 

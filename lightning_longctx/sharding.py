@@ -41,7 +41,9 @@ def _segment(n: int, world: int, chunk_size: int | None) -> int:
     return chunk_size
 
 
-def shard_sequence(x: torch.Tensor, *, group: Group = None, dim: int = 1, chunk_size: int | None = None) -> torch.Tensor:
+def shard_sequence(
+    x: torch.Tensor, *, group: Group = None, dim: int = 1, chunk_size: int | None = None
+) -> torch.Tensor:
     """This rank's part of ``x`` along ``dim`` (length N) in the chosen layout; N must divide
     (``N % P == 0``, or ``N % (P*chunk_size) == 0`` for the FPDT layout)."""
     rank, world = group_rank_size(group)
@@ -52,7 +54,9 @@ def shard_sequence(x: torch.Tensor, *, group: Group = None, dim: int = 1, chunk_
     return parts.select(dim + 1, rank).flatten(dim, dim + 1).contiguous()
 
 
-def gather_sequence(x: torch.Tensor, *, group: Group = None, dim: int = 1, chunk_size: int | None = None) -> torch.Tensor:
+def gather_sequence(
+    x: torch.Tensor, *, group: Group = None, dim: int = 1, chunk_size: int | None = None
+) -> torch.Tensor:
     """Inverse of :func:`shard_sequence`: the full sequence on every rank (no autograd)."""
     _, _world = group_rank_size(group)
     dim = dim % x.dim()
@@ -79,7 +83,9 @@ def _check_padding_mask(mask: torch.Tensor, shape: torch.Size) -> None:
             "that restart at 0 per document instead of a 4-D mask"
         )
     if mask.shape != shape:
-        raise ValueError(f"attention_mask shape {tuple(mask.shape)} differs from input_ids shape {tuple(shape)}")
+        raise ValueError(
+            f"attention_mask shape {tuple(mask.shape)} differs from input_ids shape {tuple(shape)}"
+        )
     m = mask.to(torch.int8)
     if bool((m[:, 1:] > m[:, :-1]).any()):
         raise ValueError(
@@ -134,7 +140,9 @@ def shard_batch(
         if key == "attention_mask":
             _check_padding_mask(val, ids.shape)
         elif not isinstance(val, torch.Tensor) or val.shape[:2] != ids.shape:
-            raise ValueError(f"{key} shape {tuple(getattr(val, 'shape', ()))} differs from input_ids shape {tuple(ids.shape)}")
+            raise ValueError(
+                f"{key} shape {tuple(getattr(val, 'shape', ()))} differs from input_ids shape {tuple(ids.shape)}"
+            )
         seqs[key] = val
 
     if "shift_labels" not in seqs and "labels" in seqs:

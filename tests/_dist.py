@@ -72,7 +72,9 @@ class DistPool:
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         self._outbox = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._inboxes[r], self._outbox), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, world_size, port, self._inboxes[r], self._outbox), daemon=True
+            )
             for r in range(world_size)
         ]
         for p in self._procs:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def reference_attention(q, k, v, *, causal=True, position_ids=None, scale=None, sliding_window=None, softcap=None):
+def reference_attention(
+    q, k, v, *, causal=True, position_ids=None, scale=None, sliding_window=None, softcap=None
+):
     """Naive attention over the FULL sequence. q (b, N, h, d), k/v (b, N, h_kv, d) -> (b, N, h, d)."""
     b, n, h, d = q.shape
     group = h // k.shape[2]

@@ -36,7 +36,9 @@ def _run_case(name: str, backend: str) -> dict:
     v = torch.randn(b, n, cfg["h_kv"], d, generator=g, dtype=torch.float64)
     w = torch.randn(b, n, cfg["h"], d, generator=g, dtype=torch.float64)
     pos = packed_positions(b, n, cfg["packed"]) if "packed" in cfg else None
-    kw = dict(causal=causal, scale=cfg.get("scale"), sliding_window=cfg.get("window"), softcap=cfg.get("softcap"))
+    kw = dict(
+        causal=causal, scale=cfg.get("scale"), sliding_window=cfg.get("window"), softcap=cfg.get("softcap")
+    )
 
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = reference_attention(*ref_in, position_ids=pos, **kw)

@@ -51,7 +51,10 @@ class MaskSpec:
             ki = torch.arange(self.k_start, self.k_start + s_k, device=device)[None, :]
             if self.causal and self.k_start + s_k - 1 > self.q_start:
                 mask = ki <= qi
-            if self.sliding_window is not None and self.q_start + s_q - 1 - self.k_start >= self.sliding_window:
+            if (
+                self.sliding_window is not None
+                and self.q_start + s_q - 1 - self.k_start >= self.sliding_window
+            ):
                 window = ki > qi - self.sliding_window
                 mask = window if mask is None else mask & window
             mask = None if mask is None else mask[None]
@@ -186,7 +189,9 @@ def flash_attention(
     _, counts = torch.unique_consecutive(docs.flatten(), return_counts=True)
     cu = F.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
     flat = [x.reshape(b * s, *x.shape[2:]) for x in (q, k, v)]
-    out, lse, _ = flash_attn_varlen_func(*flat, cu, cu, int(counts.max()), int(counts.max()), return_attn_probs=True, **kw)
+    out, lse, _ = flash_attn_varlen_func(
+        *flat, cu, cu, int(counts.max()), int(counts.max()), return_attn_probs=True, **kw
+    )
     return AttnOut(out.view(b, s, h, d), None)
 
 
@@ -219,7 +224,9 @@ def resolve_backend(backend: str, *, need_lse: bool = False, softcap: float | No
             "`pip install 'lightning-longctx[flash]'`); use backend='auto'"
         )
     if need_lse and not kern.returns_lse:
-        raise ValueError(f"attention backend {backend!r} does not return the log-sum-exp this path needs; use 'math' or 'flash'")
+        raise ValueError(
+            f"attention backend {backend!r} does not return the log-sum-exp this path needs; use 'math' or 'flash'"
+        )
     return kern
 
 

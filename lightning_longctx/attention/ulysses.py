@@ -39,7 +39,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
-def spread_kv_heads(k: torch.Tensor, v: torch.Tensor, num_heads: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+def spread_kv_heads(
+    k: torch.Tensor, v: torch.Tensor, num_heads: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Make the kv heads splittable over ``world`` ranks consistently with the query heads.
 
     With ``h % lcm(h_kv, P) == 0`` each kv head is repeated ``P // gcd(h_kv, P)`` times
@@ -101,5 +103,7 @@ def ulysses_attention(
     k, v = spread_kv_heads(k, v, h, world)
     mask = global_mask(position_ids, causal=causal, sliding_window=sliding_window, group=group)
     q_h, k_h, v_h = (seq_to_head(x, group) for x in (q, k, v))  # (b, s, h_r, d): all tokens, my heads
-    out_h, _ = kernel.fn(q_h, k_h, v_h, scale=default_scale(q.shape[-1], softmax_scale), mask=mask, softcap=softcap)
+    out_h, _ = kernel.fn(
+        q_h, k_h, v_h, scale=default_scale(q.shape[-1], softmax_scale), mask=mask, softcap=softcap
+    )
     return head_to_seq(out_h, h, group)  # (b, s/P, h, d)

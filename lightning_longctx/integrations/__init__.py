@@ -1,0 +1,1 @@
+"""Adapters that put sequence-parallel attention into other libraries' models."""

@@ -1,0 +1,238 @@
+"""Swap attention (and, in FPDT mode, the MLP and the loss) of a Hugging Face model in place.
+
+Mechanism: transformers' ``AttentionInterface``. We register our own attention function under a
+fresh key (no mask function: the model then builds no O(s²) mask) and point the model's config at
+it. The function receives q ``(b, H, s, d)`` and k/v ``(b, H_kv, s, d)`` already rotated with the
+GLOBAL ``position_ids`` that ``shard_batch`` produced and returns ``(out (b, s, H, d), None)``.
+
+The process group is not stored on the model (deep copies and pickles of the model must keep
+working): the model only holds the key string, and the settings live in ``_CONTEXTS[key]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_longctx.attention.fpdt import fpdt_attention
+from lightning_longctx.attention.ulysses import ulysses_attention
+from lightning_longctx.comm import Group
+from lightning_longctx.loss import sequence_parallel_cross_entropy
+
+MODES = ("ulysses", "fpdt")
+
+
+@dataclass
+class SequenceParallelContext:
+    """Settings of one patched model, and the counters the strategy's guardrails read."""
+
+    group: Group
+    mode: str
+    chunk_size: int | None
+    offload: bool
+    backend: str
+    mlp_chunk_size: int | None
+    loss_chunk_size: int | None
+    attention_calls: int = 0
+    num_attention_layers: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_CONTEXTS: dict[str, SequenceParallelContext] = {}
+_KEY_COUNTER = itertools.count()
+
+
+def context_of(model: nn.Module) -> SequenceParallelContext | None:
+    """The context of a model patched by :func:`enable_sequence_parallel`, else ``None``."""
+    config = getattr(model, "config", None)
+    return _CONTEXTS.get(getattr(config, "_attn_implementation", None) or "")
+
+
+def _unsupported(kwargs: dict[str, Any], model_name: str) -> None:
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(
+            f"{model_name} uses attention sinks (s_aux), which sequence-parallel attention does not implement; "
+            "train it without sequence parallelism"
+        )
+
+
+def _hf_attention(
+    key: str,
+    module: nn.Module,
+    query: torch.Tensor,
+    key_states: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    ctx = _CONTEXTS[key]
+    name = type(module).__name__
+    _unsupported(kwargs, name)
+    if dropout:
+        raise ValueError(
+            f"{name} asks for attention dropout {dropout}; sequence-parallel attention has none. "
+            "Set config.attention_dropout=0.0"
+        )
+    if attention_mask is not None and attention_mask.dim() == 4:
+        raise ValueError(
+            "a 4-D attention mask reached sequence-parallel attention; pass packed documents as position_ids "
+            "that restart at 0 instead"
+        )
+    if position_ids is not None and position_ids.dim() == 1:
+        position_ids = position_ids[None].expand(query.shape[0], -1)
+    q, k, v = (x.transpose(1, 2) for x in (query, key_states, value))  # (b, s, h, d)
+    causal = getattr(module, "is_causal", True)
+    common = dict(
+        group=ctx.group, causal=causal, softmax_scale=scaling, position_ids=position_ids, backend=ctx.backend
+    )
+    if ctx.mode == "ulysses":
+        out = ulysses_attention(q, k, v, sliding_window=sliding_window, softcap=softcap, **common)
+    else:
+        if softcap:
+            raise ValueError(
+                f"{name} uses attention logit softcapping, which FPDT does not implement; use mode='ulysses'"
+            )
+        if sliding_window is not None:
+            raise ValueError(
+                f"{name} uses sliding-window attention, which FPDT does not implement; use mode='ulysses'"
+            )
+        out = fpdt_attention(q, k, v, chunk_size=ctx.chunk_size, offload=ctx.offload, **common)
+    ctx.attention_calls += 1
+    return out, None
+
+
+def _hf_loss(
+    key: str,
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    vocab_size: int | None = None,
+    num_items_in_batch: Any = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    if shift_labels is None:
+        raise ValueError(
+            "a sequence-parallel model got `labels` without `shift_labels`: the batch was not sharded with "
+            "shard_batch (labels must be shifted BEFORE the sequence is cut, or targets at shard edges are lost). "
+            "Use the UlyssesFPDTStrategy, or call lightning_longctx.shard_batch on the batch"
+        )
+    return sequence_parallel_cross_entropy(
+        logits, shift_labels, group=_CONTEXTS[key].group, ignore_index=ignore_index
+    )
+
+
+def _chunked_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """CausalLM forward whose loss never materialises the ``(b, s/P, vocab)`` logits (FPDT mode)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from lightning_longctx.chunked_loss import chunked_lm_head_cross_entropy
+
+    ctx = context_of(self)
+    labels = kwargs.pop("labels", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    if labels is None or ctx is None:
+        return type(self).forward(self, *args, labels=labels, shift_labels=shift_labels, **kwargs)
+    if shift_labels is None:
+        _hf_loss(self.config._attn_implementation, None, labels)  # raises the "not sharded" error
+    kwargs["use_cache"] = False
+    kwargs.pop("logits_to_keep", None)
+    outputs = self.get_decoder()(*args, **kwargs)
+    head = self.get_output_embeddings()
+    loss = chunked_lm_head_cross_entropy(
+        outputs.last_hidden_state,
+        head.weight,
+        shift_labels,
+        bias=head.bias,
+        group=ctx.group,
+        chunk_size=ctx.loss_chunk_size or 1024,
+        softcap=getattr(self.config, "final_logit_softcapping", None),
+    )
+    return CausalLMOutputWithPast(
+        loss=loss, logits=None, hidden_states=outputs.hidden_states, attentions=None
+    )
+
+
+def _decoder_mlps(model: nn.Module) -> list[nn.Module]:
+    return [m for name, m in model.named_modules() if name.endswith(".mlp") and isinstance(m, nn.Module)]
+
+
+def enable_sequence_parallel(
+    model: nn.Module,
+    *,
+    group: Group = None,
+    mode: str = "ulysses",
+    chunk_size: int | None = None,
+    offload: bool = False,
+    backend: str = "auto",
+    mlp_chunk_size: int | None = None,
+    loss_chunk_size: int | None = None,
+) -> nn.Module:
+    """Make a Hugging Face model sequence-parallel over ``group``, in place; returns the model.
+
+    ``mode="ulysses"``: Ulysses attention. ``mode="fpdt"``: FPDT attention with ``chunk_size`` tokens
+    per chunk per rank, plus the MLPs tiled along the sequence (``mlp_chunk_size``, default
+    ``chunk_size``) and a chunked lm_head + loss (``loss_chunk_size``, default ``chunk_size``).
+    Batches must come from ``shard_batch`` (the strategy does this) with the matching layout.
+    """
+    from transformers import AttentionInterface, PreTrainedModel
+
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is unknown; choose one of {MODES}")
+    if mode == "fpdt" and not chunk_size:
+        raise ValueError("mode='fpdt' needs chunk_size (tokens per chunk per rank), e.g. chunk_size=4096")
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"enable_sequence_parallel expects a transformers PreTrainedModel, got {type(model).__name__}. "
+            "Plain PyTorch models call lightning_longctx.ulysses_attention / fpdt_attention themselves"
+        )
+    name = type(model).__name__
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(
+            f"{name} does not route attention through transformers' AttentionInterface (models such as Falcon, "
+            "Bloom, MPT, GPT-Neo compute attention inline), so its attention cannot be swapped. "
+            "Use a model that supports attn_implementation='sdpa'/'flex_attention' (Llama, Qwen2/3, Mistral, ...)"
+        )
+    if getattr(model.config, "logit_scale", None) not in (None, 1.0) and mode == "fpdt":
+        raise ValueError(
+            f"{name} scales its logits (config.logit_scale); the chunked FPDT loss does not; use mode='ulysses'"
+        )
+    key = f"longctx_{mode}_{next(_KEY_COUNTER)}"
+    ctx = SequenceParallelContext(
+        group=group,
+        mode=mode,
+        chunk_size=chunk_size,
+        offload=offload,
+        backend=backend,
+        mlp_chunk_size=mlp_chunk_size or chunk_size,
+        loss_chunk_size=loss_chunk_size or chunk_size,
+    )
+    _CONTEXTS[key] = ctx
+    AttentionInterface.register(key, functools.partial(_hf_attention, key))
+    model.set_attn_implementation(key)
+    if model.config._attn_implementation != key:
+        raise RuntimeError(
+            f"{name} ignored set_attn_implementation({key!r}); its attention cannot be swapped"
+        )
+    model.config.use_cache = False
+    model.loss_function = functools.partial(_hf_loss, key)
+    ctx.num_attention_layers = int(getattr(model.config, "num_hidden_layers", 0))
+    if mode == "fpdt":
+        from lightning_longctx.tiling import tile_mlp_
+
+        for mlp in _decoder_mlps(model):
+            tile_mlp_(mlp, ctx.mlp_chunk_size)
+        if model.get_output_embeddings() is not None:
+            model.forward = types.MethodType(_chunked_loss_forward, model)
+    return model

@@ -1,0 +1,104 @@
+"""Tiny Hugging Face models and a plain LightningModule, shared by the strategy tests."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def tiny_config(arch: str = "llama", *, heads: int = 4, kv_heads: int = 2, layers: int = 2, vocab: int = 64):
+    import transformers
+
+    cfg_cls = getattr(transformers, ARCHS[arch][0])
+    kw = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    if arch == "mistral":
+        kw["sliding_window"] = None
+    return cfg_cls(**kw)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **kw) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(seed)
+    model_cls = getattr(transformers, ARCHS[arch][1])
+    return model_cls(tiny_config(arch, **kw)).float()
+
+
+class TokenDataset(Dataset):
+    """Deterministic random token sequences with HF-style (unshifted) labels; some targets ignored."""
+
+    def __init__(self, n: int, seq_len: int, vocab: int = 64, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(1, vocab, (n, seq_len), generator=g)
+        self.labels = self.ids.clone()
+        self.labels[:, : seq_len // 5] = -100  # a prompt without loss, different per rank shard
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+class HFModule(L.LightningModule):
+    """The user's code: training_step returns ``self.model(**batch).loss``, nothing else."""
+
+    def __init__(
+        self, model: torch.nn.Module, lr: float = 0.5, batch_size: int = 1, dataset: Dataset | None = None
+    ):
+        super().__init__()
+        self.model = model
+        self.lr = lr
+        self.batch_size = batch_size
+        self.dataset = dataset
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False)
+
+
+def reference_training(
+    model, dataset, *, dp: int, batch_size: int, steps: int, accumulate: int = 1, lr: float = 0.5
+):
+    """Single-process SGD on the same global batches, in the order Lightning's DistributedSampler
+    (num_replicas=dp, shuffle=False) gives them; the dp ranks' means are averaged, as DDP does."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            base = (step * accumulate + micro) * batch_size * dp
+            total = 0.0
+            for j in range(dp):
+                idx = [base + i * dp + j for i in range(batch_size)]
+                batch = {k: torch.stack([dataset[i][k] for i in idx]) for k in ("input_ids", "labels")}
+                loss = model(**batch).loss / (dp * accumulate)
+                loss.backward()
+                total += loss.item()
+            losses.append(total * accumulate)
+        opt.step()
+    return losses

@@ -1,0 +1,132 @@
+"""Real Trainer runs under UlyssesFPDTStrategy on gloo vs a single-process loop: every parameter."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch.distributed as dist
+from hf_models import HFModule, TokenDataset, reference_training, tiny_model
+
+from lightning_longctx import UlyssesFPDTStrategy
+
+SEQ = 24
+
+
+def _env_for_lightning() -> None:
+    # The pool already initialised the default group; Lightning sees LOCAL_RANK and does not launch.
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+
+
+def _fit(arch, sp, steps, strategy_kwargs, model_kwargs, accumulate=1, batch_size=1, trainer_kwargs=None):
+    _env_for_lightning()
+    world = dist.get_world_size()
+    dp = world // sp
+    data = TokenDataset(dp * batch_size * steps * accumulate, SEQ)
+    module = HFModule(tiny_model(arch, **model_kwargs), batch_size=batch_size, dataset=data)
+    strategy = (
+        strategy_kwargs
+        if isinstance(strategy_kwargs, str)
+        else UlyssesFPDTStrategy(sequence_parallel_size=sp, **strategy_kwargs)
+    )
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **(trainer_kwargs or {}),
+    )
+    trainer.fit(module)
+    return {k: v for k, v in module.model.state_dict().items()}, module.losses, trainer.strategy.sp_size
+
+
+def _compare(results, arch, sp, world, steps, model_kwargs, accumulate=1, batch_size=1):
+    dp = world // sp
+    ref_model = tiny_model(arch, **model_kwargs)
+    data = TokenDataset(dp * batch_size * steps * accumulate, SEQ)
+    ref_losses = reference_training(
+        ref_model, data, dp=dp, batch_size=batch_size, steps=steps, accumulate=accumulate
+    )
+    ref_state = ref_model.state_dict()
+    init_state = tiny_model(arch, **model_kwargs).state_dict()
+    worst = 0.0
+    for state, _losses, got_sp in results:
+        assert got_sp == sp
+        for name, ref in ref_state.items():
+            moved = (ref - init_state[name]).abs().max().item()
+            err = (state[name] - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
+            assert moved > 0 or "bias" in name, f"{name} never changed: the test would prove nothing"
+            assert err < 1e-5, f"{name}: relative error {err:.2e}"
+            worst = max(worst, err)
+    rank0_losses = results[0][1]
+    if accumulate == 1 and dp == 1:
+        assert max(abs(a - b) for a, b in zip(rank0_losses, ref_losses)) < 1e-5
+    return worst
+
+
+CASES = {
+    # name: (arch, world, sp, strategy kwargs, model kwargs, accumulate)
+    "llama_sp2": ("llama", 2, 2, {}, {}, 1),
+    "qwen2_sp2": ("qwen2", 2, 2, {}, {}, 1),
+    "mistral_sp4": ("mistral", 4, 4, {}, {}, 1),
+    "llama_gqa_kv1_sp4": ("llama", 4, 4, {}, {"kv_heads": 1}, 1),
+    "llama_dp2_sp2": ("llama", 4, 2, {}, {}, 1),
+    "llama_sp2_accumulate2": ("llama", 2, 2, {}, {}, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_parameters_match_single_process(dist_pool, name):
+    arch, world, sp, skw, mkw, acc = CASES[name]
+    steps = 2
+    results = dist_pool(world).run(_fit, arch, sp, steps, skw, mkw, acc)
+    _compare(results, arch, sp, world, steps, mkw, accumulate=acc)
+
+
+def test_sp1_single_process_matches(dist_pool):
+    results = dist_pool(1).run(_fit, "llama", 1, 2, {}, {})
+    _compare(results, "llama", 1, 1, 2, {})
+
+
+def test_registered_name_works(dist_pool):
+    results = dist_pool(2).run(_fit, "llama", 2, 2, "ulysses", {})
+    _compare(results, "llama", 2, 2, 2, {})
+
+
+def _bad_sp():
+    try:
+        _fit("llama", 3, 1, {}, {})
+    except ValueError as e:
+        return str(e)
+    return "NO ERROR"
+
+
+def test_sp_not_dividing_world_fails_naming_both(dist_pool):
+    for msg in dist_pool(2).run(_bad_sp):
+        assert "sequence_parallel_size=3" in msg and "world size 2" in msg
+
+
+def test_registry_and_config_errors():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_longctx
+
+    lightning_longctx.UlyssesFPDTStrategy.register_strategies(StrategyRegistry)  # idempotent
+    for name in ("ulysses_fpdt", "ulysses", "fpdt_offload"):
+        assert StrategyRegistry[name]["strategy"] is UlyssesFPDTStrategy
+    assert StrategyRegistry["fpdt_offload"]["init_params"]["offload"] is True
+    with pytest.raises(ValueError, match="offload=True needs FPDT chunking"):
+        UlyssesFPDTStrategy(offload=True)
+    with pytest.raises(ValueError, match="data_parallel='fsdp'"):
+        UlyssesFPDTStrategy(data_parallel="fsdp")
+    with pytest.raises(ValueError, match="sequence_parallel_size=0"):
+        UlyssesFPDTStrategy(sequence_parallel_size=0)
