@@ -6,6 +6,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_longctx import callbacks
 from lightning_longctx.attention import fpdt_attention, ulysses_attention
 from lightning_longctx.integrations.transformers import enable_sequence_parallel
 from lightning_longctx.loss import sequence_parallel_cross_entropy
@@ -22,6 +23,7 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 __all__ = [
     "UlyssesFPDTStrategy",
     "__version__",
+    "callbacks",
     "enable_sequence_parallel",
     "fpdt_attention",
     "gather_sequence",
