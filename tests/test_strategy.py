@@ -6,6 +6,7 @@ import os
 
 import lightning as L
 import pytest
+import torch
 import torch.distributed as dist
 from hf_models import HFModule, TokenDataset, reference_training, tiny_model
 
@@ -130,3 +131,126 @@ def test_registry_and_config_errors():
         UlyssesFPDTStrategy(data_parallel="fsdp")
     with pytest.raises(ValueError, match="sequence_parallel_size=0"):
         UlyssesFPDTStrategy(sequence_parallel_size=0)
+
+
+# ---- guardrails ----
+
+
+def _fit_module(module, sp, steps=1, ckpt_path=None, **trainer_kwargs):
+    _env_for_lightning()
+    kwargs = dict(
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    kwargs.update(trainer_kwargs)
+    trainer = L.Trainer(
+        strategy=UlyssesFPDTStrategy(sequence_parallel_size=sp),
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        max_steps=steps,
+        **kwargs,
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer
+
+
+def _expect_error(build):
+    try:
+        _fit_module(build(), 2)
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+    return "NO ERROR"
+
+
+def _bloom_module():
+    from transformers import BloomConfig, BloomForCausalLM
+
+    model = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4))
+    return HFModule(model, dataset=TokenDataset(2, SEQ))
+
+
+def _one_layer_bypasses_swap():
+    import types
+
+    from transformers.models.llama import modeling_llama
+
+    model = tiny_model("llama")
+    attn = model.model.layers[1].self_attn
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        # a model that hard-codes its own attention: it silently attends only to the local shard
+        b, s, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = modeling_llama.apply_rotary_pos_emb(q, k, *position_embeddings)
+        out, _ = modeling_llama.eager_attention_forward(self, q, k, v, None, scaling=self.scaling)
+        return self.o_proj(out.reshape(b, s, -1)), None
+
+    attn.forward = types.MethodType(forward, attn)
+    return HFModule(model, dataset=TokenDataset(2, SEQ))
+
+
+class _IterModule(HFModule):
+    def training_step(self, dataloader_iter):
+        batch = next(dataloader_iter)
+        return self.model(**batch).loss
+
+
+def _dataloader_iter_module():
+    return _IterModule(tiny_model("llama"), dataset=TokenDataset(2, SEQ))
+
+
+@pytest.mark.parametrize(
+    "build,expected",
+    [
+        (_bloom_module, "does not route attention through transformers' AttentionInterface"),
+        (_one_layer_bypasses_swap, "only 1 of 2 attention layers went through sequence-parallel attention"),
+        (_dataloader_iter_module, "training_step(dataloader_iter) bypasses it"),
+    ],
+    ids=["bloom", "layer_bypasses_swap", "dataloader_iter"],
+)
+def test_guardrails_refuse_silent_no_ops(dist_pool, build, expected):
+    for msg in dist_pool(2).run(_expect_error, build):
+        assert expected in msg, msg
+
+
+# ---- checkpoints ----
+
+
+def _resume(root):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    steps = 4
+    data = TokenDataset(2, SEQ)  # two epochs of two steps; the checkpoint sits at the epoch boundary
+    full = HFModule(tiny_model("llama"), dataset=data)
+    _fit_module(full, 2, steps=steps)
+
+    first = HFModule(tiny_model("llama"), dataset=data)
+    ckpt = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True)
+    _fit_module(first, 2, steps=2, callbacks=[ckpt], enable_checkpointing=True)
+    dist.barrier()
+    second = HFModule(tiny_model("llama", seed=123), dataset=data)  # different init: must be overwritten
+    _fit_module(second, 2, steps=steps, ckpt_path=f"{root}/epoch=0-step=2.ckpt")
+    return full.losses, first.losses + second.losses, full.model.state_dict(), second.model.state_dict()
+
+
+def test_checkpoint_resume_continues_exactly(dist_pool, tmp_path):
+    for full_losses, resumed_losses, full_state, resumed_state in dist_pool(2).run(_resume, str(tmp_path)):
+        assert len(resumed_losses) == len(full_losses) == 4
+        assert max(abs(a - b) for a, b in zip(full_losses, resumed_losses)) < 1e-6
+        for name, ref in full_state.items():
+            assert torch.allclose(resumed_state[name], ref, rtol=1e-6, atol=1e-7), name
+
+
+def test_exported_state_dict_loads_into_plain_hf_model(dist_pool):
+    results = dist_pool(2).run(_fit, "llama", 2, 2, {}, {})
+    state = results[0][0]
+    plain = tiny_model("llama", seed=7)
+    plain.load_state_dict(state, strict=True)  # same keys: the swap never renamed a parameter
+    assert plain.config._attn_implementation in ("sdpa", "eager")
+    ref = tiny_model("llama")
+    data = TokenDataset(2, SEQ)
+    reference_training(ref, data, dp=1, batch_size=1, steps=2)
+    batch = {k: torch.stack([data[0][k]]) for k in ("input_ids", "labels")}
+    with torch.no_grad():
+        assert abs(plain(**batch).loss.item() - ref(**batch).loss.item()) < 1e-5
