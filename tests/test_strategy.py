@@ -23,11 +23,13 @@ def _env_for_lightning() -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
 
 
-def _fit(arch, sp, steps, strategy_kwargs, model_kwargs, accumulate=1, batch_size=1, trainer_kwargs=None):
+def _fit(
+    arch, sp, steps, strategy_kwargs, model_kwargs, accumulate=1, batch_size=1, trainer_kwargs=None, seq=SEQ
+):
     _env_for_lightning()
     world = dist.get_world_size()
     dp = world // sp
-    data = TokenDataset(dp * batch_size * steps * accumulate, SEQ)
+    data = TokenDataset(dp * batch_size * steps * accumulate, seq)
     module = HFModule(tiny_model(arch, **model_kwargs), batch_size=batch_size, dataset=data)
     strategy = (
         strategy_kwargs
@@ -50,10 +52,10 @@ def _fit(arch, sp, steps, strategy_kwargs, model_kwargs, accumulate=1, batch_siz
     return {k: v for k, v in module.model.state_dict().items()}, module.losses, trainer.strategy.sp_size
 
 
-def _compare(results, arch, sp, world, steps, model_kwargs, accumulate=1, batch_size=1):
+def _compare(results, arch, sp, world, steps, model_kwargs, accumulate=1, batch_size=1, seq=SEQ):
     dp = world // sp
     ref_model = tiny_model(arch, **model_kwargs)
-    data = TokenDataset(dp * batch_size * steps * accumulate, SEQ)
+    data = TokenDataset(dp * batch_size * steps * accumulate, seq)
     ref_losses = reference_training(
         ref_model, data, dp=dp, batch_size=batch_size, steps=steps, accumulate=accumulate
     )
@@ -91,6 +93,13 @@ def test_parameters_match_single_process(dist_pool, name):
     steps = 2
     results = dist_pool(world).run(_fit, arch, sp, steps, skw, mkw, acc)
     _compare(results, arch, sp, world, steps, mkw, accumulate=acc)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_not_divisible_is_padded_exactly(dist_pool, world):
+    """23 tokens over 2 or 4 ranks, batch 2: padded at the end, loss and every parameter unchanged."""
+    results = dist_pool(world).run(_fit, "llama", world, 2, {}, {}, 1, 2, None, 23)
+    _compare(results, "llama", world, world, 2, {}, batch_size=2, seq=23)
 
 
 def test_sp1_single_process_matches(dist_pool):
@@ -254,3 +263,47 @@ def test_exported_state_dict_loads_into_plain_hf_model(dist_pool):
     batch = {k: torch.stack([data[0][k]]) for k in ("input_ids", "labels")}
     with torch.no_grad():
         assert abs(plain(**batch).loss.item() - ref(**batch).loss.item()) < 1e-5
+
+
+class _RankDependentLength(TokenDataset):
+    """Rank 1 reads longer sequences than rank 0: a config that differs across ranks."""
+
+    def __init__(self) -> None:
+        super().__init__(2, SEQ + 4 * dist.get_rank())
+
+
+def _mismatched_lengths_module():
+    return HFModule(tiny_model("llama"), dataset=_RankDependentLength())
+
+
+def _unsupported_precision():
+    from lightning.pytorch.plugins.precision import Precision
+
+    class FP8(Precision):
+        precision = "transformer-engine"
+
+    _env_for_lightning()
+    trainer = L.Trainer(
+        strategy=UlyssesFPDTStrategy(sequence_parallel_size=2),
+        plugins=[FP8()],
+        accelerator="cpu",
+        devices=2,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+    )
+    try:
+        trainer.fit(HFModule(tiny_model("llama"), dataset=TokenDataset(2, SEQ)))
+    except ValueError as e:
+        return str(e)
+    return "NO ERROR"
+
+
+def test_lengths_differing_across_ranks_fail_before_a_collective_hangs(dist_pool):
+    for msg in dist_pool(2).run(_expect_error, _mismatched_lengths_module):
+        assert "shapes differ across ranks: {0: (1, 24), 1: (1, 28)}" in msg, msg
+
+
+def test_unsupported_precision_is_refused(dist_pool):
+    for msg in dist_pool(2).run(_unsupported_precision):
+        assert "precision='transformer-engine' is not supported" in msg, msg
