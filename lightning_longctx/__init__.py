@@ -8,10 +8,12 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_longctx import callbacks
 from lightning_longctx.attention import fpdt_attention, ulysses_attention
+from lightning_longctx.chunked_loss import chunked_lm_head_cross_entropy
 from lightning_longctx.integrations.transformers import enable_sequence_parallel
 from lightning_longctx.loss import sequence_parallel_cross_entropy
 from lightning_longctx.sharding import gather_sequence, shard_batch, shard_sequence
 from lightning_longctx.strategy import UlyssesFPDTStrategy
+from lightning_longctx.tiling import tile_mlp_
 
 UlyssesFPDTStrategy.register_strategies(StrategyRegistry)
 
@@ -24,11 +26,13 @@ __all__ = [
     "UlyssesFPDTStrategy",
     "__version__",
     "callbacks",
+    "chunked_lm_head_cross_entropy",
     "enable_sequence_parallel",
     "fpdt_attention",
     "gather_sequence",
     "sequence_parallel_cross_entropy",
     "shard_batch",
     "shard_sequence",
+    "tile_mlp_",
     "ulysses_attention",
 ]

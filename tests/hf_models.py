@@ -84,17 +84,23 @@ class HFModule(L.LightningModule):
 def reference_training(
     model, dataset, *, dp: int, batch_size: int, steps: int, accumulate: int = 1, lr: float = 0.5
 ):
-    """Single-process SGD on the same global batches, in the order Lightning's DistributedSampler
-    (num_replicas=dp, shuffle=False) gives them; the dp ranks' means are averaged, as DDP does."""
+    """Single-process SGD on the same global batches, in the order Lightning's DistributedSampler gives
+    them (``num_replicas=dp``, shuffled with seed 0: Lightning always shuffles the training set under a
+    distributed sampler); the dp ranks' means are averaged, as DDP does. One epoch at most."""
+    from torch.utils.data import DistributedSampler
+
+    orders = [
+        list(DistributedSampler(dataset, num_replicas=dp, rank=j, shuffle=True, seed=0)) for j in range(dp)
+    ]
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
         opt.zero_grad()
         for micro in range(accumulate):
-            base = (step * accumulate + micro) * batch_size * dp
+            first = (step * accumulate + micro) * batch_size
             total = 0.0
             for j in range(dp):
-                idx = [base + i * dp + j for i in range(batch_size)]
+                idx = orders[j][first : first + batch_size]
                 batch = {k: torch.stack([dataset[i][k] for i in idx]) for k in ("input_ids", "labels")}
                 loss = model(**batch).loss / (dp * accumulate)
                 loss.backward()

@@ -84,6 +84,10 @@ CASES = {
     "llama_gqa_kv1_sp4": ("llama", 4, 4, {}, {"kv_heads": 1}, 1),
     "llama_dp2_sp2": ("llama", 4, 2, {}, {}, 1),
     "llama_sp2_accumulate2": ("llama", 2, 2, {}, {}, 2),
+    # FPDT: 24 tokens, sp 2 -> 12 local tokens in 3 chunks of 4; tiled MLP + chunked loss; offload
+    "llama_fpdt_sp2_offload": ("llama", 2, 2, {"fpdt_chunk_size": 4, "offload": True}, {}, 1),
+    "qwen2_fpdt_sp4_gqa_kv1": ("qwen2", 4, 4, {"fpdt_chunk_size": 2}, {"kv_heads": 1}, 1),
+    "llama_fpdt_dp2_sp2_accumulate2": ("llama", 4, 2, {"fpdt_chunk_size": 4, "offload": True}, {}, 2),
 }
 
 

@@ -1,0 +1,183 @@
+"""Per-chunk tensor store for FPDT: on the device, or in (pinned) host memory with prefetch.
+
+FPDT keeps, per global segment, the tensors its backward needs (q, k, v, out, lse in head layout).
+With ``offload=False`` they stay on the device and the autograd Function saves them with
+``save_for_backward``. With ``offload=True`` each one is copied to host memory when it is produced
+and fetched back shortly before it is used:
+
+* CUDA: device -> pinned host on a side stream (``record_stream`` keeps the source alive until the
+  copy ran), host -> device on the same side stream, the consumer's stream waits on an event.
+* CPU: the "host copy" is a plain synchronous ``clone`` — the same code path, so the CPU tests
+  exercise it, and results are bit-identical with offload on and off (copies are exact).
+
+:meth:`ChunkStore.pipeline` walks a precomputed access order and prefetches step ``n+1`` while the
+caller computes on step ``n`` (a double buffer: at most two steps' fetched tensors are alive when
+the caller drops each step before asking for the next).
+
+``offloaded_bytes()`` is the number of bytes held in host buffers by live stores (the memory
+callback reads it); a store gives its bytes back on :meth:`ChunkStore.release` or, as a fallback,
+when it is garbage-collected (an autograd graph dropped without backward).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+Key = tuple[str, int]  # (tensor name, segment index), e.g. ("k", 3)
+
+_HELD_BYTES = [0]  # bytes in host buffers of all live stores
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+
+
+def offloaded_bytes() -> int:
+    """Bytes currently held in host memory by live FPDT offload stores (0 when nothing is offloaded)."""
+    return _HELD_BYTES[0]
+
+
+class OffloadStats:
+    """How many fetched device copies were alive at once, per tensor name (``"k"``, ``"q"``, ...).
+
+    Only offloaded fetches are counted. ``OFFLOAD_STATS.reset()``, run, read ``peak_resident``.
+    """
+
+    def __init__(self) -> None:
+        self.resident: dict[str, int] = defaultdict(int)
+        self.peak_resident: dict[str, int] = defaultdict(int)
+
+    def reset(self) -> None:
+        self.resident.clear()
+        self.peak_resident.clear()
+
+    def _fetched(self, name: str, tensor: torch.Tensor) -> None:
+        self.resident[name] += 1
+        self.peak_resident[name] = max(self.peak_resident[name], self.resident[name])
+        weakref.finalize(tensor, self._dropped, name)
+
+    def _dropped(self, name: str) -> None:
+        self.resident[name] -= 1
+
+
+OFFLOAD_STATS = OffloadStats()
+
+
+def _give_back(held: list[int]) -> None:
+    _HELD_BYTES[0] -= held[0]
+    held[0] = 0
+
+
+def _side_stream(device: torch.device) -> Any:
+    """One copy stream per CUDA device, created on first use (never at import)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+class ChunkStore:
+    """Tensors keyed by ``(name, segment)``, kept on the device or offloaded to host memory."""
+
+    def __init__(self, *, offload: bool, device: torch.device) -> None:
+        self.offload = offload
+        self.device = device
+        self._cuda = offload and device.type == "cuda"
+        self._stream = _side_stream(device) if self._cuda else None
+        self._data: dict[Key, torch.Tensor] = {}
+        self._pending: dict[Key, tuple[torch.Tensor, Any]] = {}  # prefetched device copy, its ready event
+        self._held = [0]
+        self._finalizer = weakref.finalize(self, _give_back, self._held)
+        self.released = False
+
+    # ---- storing ----
+    def put(self, key: Key, x: torch.Tensor) -> None:
+        """Keep ``x`` under ``key``; never modified afterwards (no in-place writes into saved tensors)."""
+        if not self.offload:
+            self._data[key] = x
+            return
+        if self._cuda:
+            current = torch.cuda.current_stream(self.device)
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            self._stream.wait_stream(current)  # x is produced on the current stream
+            with torch.cuda.stream(self._stream):
+                host.copy_(x, non_blocking=True)
+            x.record_stream(self._stream)  # the allocator must not reuse x before the copy ran
+        else:
+            host = x.detach().clone()  # CPU: a plain synchronous copy, same code path
+        self._data[key] = host
+        nbytes = host.numel() * host.element_size()
+        self._held[0] += nbytes
+        _HELD_BYTES[0] += nbytes
+
+    def saved(self) -> tuple[list[Key], list[torch.Tensor]]:
+        """Keys and tensors for ``ctx.save_for_backward`` (device mode only)."""
+        if self.offload:
+            raise RuntimeError(
+                "an offloading ChunkStore keeps its own host buffers; attach it to ctx instead"
+            )
+        return list(self._data), list(self._data.values())
+
+    @classmethod
+    def restore(
+        cls, keys: Sequence[Key], tensors: Sequence[torch.Tensor], device: torch.device
+    ) -> ChunkStore:
+        store = cls(offload=False, device=device)
+        store._data = dict(zip(keys, tensors))
+        return store
+
+    # ---- fetching ----
+    def prefetch(self, key: Key) -> None:
+        """Start bringing ``key`` back to the device (side stream on CUDA; a copy on CPU)."""
+        if not self.offload or key in self._pending:
+            return
+        host = self._data[key]
+        event = None
+        if self._cuda:
+            with torch.cuda.stream(self._stream):  # ordered after this key's device->host copy
+                dev = host.to(self.device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        else:
+            dev = host.clone()
+        OFFLOAD_STATS._fetched(key[0], dev)
+        self._pending[key] = (dev, event)
+
+    def get(self, key: Key) -> torch.Tensor:
+        """``key`` on the device, ready to use on the current stream."""
+        if self.released:
+            raise RuntimeError(
+                "this FPDT offload store was already released: backward ran once and freed its host buffers "
+                "(backward twice / retain_graph=True is not supported with offload=True; use offload=False)"
+            )
+        if not self.offload:
+            return self._data[key]
+        self.prefetch(key)
+        dev, event = self._pending.pop(key)
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            dev.record_stream(current)  # allocated on the side stream, used on this one
+        return dev
+
+    def pipeline(self, steps: Sequence[Sequence[Key]]) -> Iterator[tuple[torch.Tensor, ...]]:
+        """Yield the tensors of each step in order, prefetching the next step meanwhile.
+
+        Drop the tensors of a step before asking for the next one: then at most two steps' fetched
+        tensors are alive (the one in use and the one in flight).
+        """
+        for n, keys in enumerate(steps):
+            got = tuple(self.get(key) for key in keys)
+            if n + 1 < len(steps):
+                for key in steps[n + 1]:
+                    self.prefetch(key)
+            yield got
+            del got
+
+    def release(self) -> None:
+        """Free every buffer now and give the bytes back to the counter (idempotent)."""
+        self._data.clear()
+        self._pending.clear()
+        self._finalizer()
+        self.released = True
