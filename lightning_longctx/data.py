@@ -33,6 +33,7 @@ __all__ = [
     "RecallAccuracy",
     "RecallDataModule",
     "RecallDataset",
+    "ResumableDataLoader",
     "TextFilesDataModule",
     "pack_documents",
     "recall_accuracy",
@@ -52,6 +53,38 @@ def _sample_seed(seed: int, split: str, index: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # Synthetic key/value recall
 # ----------------------------------------------------------------------------------------------
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` that resumes mid-epoch: Lightning saves ``state_dict()`` in checkpoints and,
+    on resume, ``load_state_dict()`` makes the next ``iter()`` skip the batches already trained on.
+
+    With the (seeded, per-epoch) ``DistributedSampler`` Lightning injects, the resumed run then sees
+    exactly the batches an uninterrupted run would have seen. Skipped batches are read and dropped,
+    which costs their loading time once.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._yielded = 0
+        self._skip = 0
+
+    def __iter__(self) -> Any:
+        it = super().__iter__()
+        skip, self._skip = self._skip, 0
+        self._yielded = 0
+        for _ in range(skip):
+            next(it)
+            self._yielded += 1
+        for batch in it:
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches_yielded": self._yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = int(state["batches_yielded"])
 
 
 class RecallDataset(Dataset):
@@ -228,13 +261,13 @@ class RecallDataModule(L.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
+        return ResumableDataLoader(
             self.train_dataset, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers
         )
 
     @override
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(
+        return ResumableDataLoader(
             self.val_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
         )
 
@@ -572,7 +605,7 @@ class TextFilesDataModule(L.LightningDataModule):
     @override
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
-        return DataLoader(
+        return ResumableDataLoader(
             self.train_dataset, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers
         )
 
@@ -581,6 +614,6 @@ class TextFilesDataModule(L.LightningDataModule):
         self.setup("validate")
         if self.val_dataset is None:
             return []  # val_fraction=0: Lightning skips validation for an empty list
-        return DataLoader(
+        return ResumableDataLoader(
             self.val_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
         )
