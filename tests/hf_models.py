@@ -10,10 +10,13 @@ ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
 }
 
 
-def tiny_config(arch: str = "llama", *, heads: int = 4, kv_heads: int = 2, layers: int = 2, vocab: int = 64):
+def tiny_config(
+    arch: str = "llama", *, heads: int = 4, kv_heads: int = 2, layers: int = 2, vocab: int = 64, **extra
+):
     import transformers
 
     cfg_cls = getattr(transformers, ARCHS[arch][0])
@@ -29,6 +32,16 @@ def tiny_config(arch: str = "llama", *, heads: int = 4, kv_heads: int = 2, layer
     )
     if arch == "mistral":
         kw["sliding_window"] = None
+    if arch == "gemma2":  # soft-capping small enough to matter at this scale, sliding window on layer 0
+        kw.update(
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            sliding_window=8,
+            attn_logit_softcapping=1.5,
+            final_logit_softcapping=3.0,
+        )
+        kw["layer_types"] = ["sliding_attention", "full_attention"][:layers]
+    kw.update(extra)
     return cfg_cls(**kw)
 
 

@@ -101,13 +101,12 @@ def _hf_attention(
     else:
         if softcap:
             raise ValueError(
-                f"{name} uses attention logit softcapping, which FPDT does not implement; use mode='ulysses'"
+                f"{name} uses attention logit softcapping ({softcap}), which FPDT does not implement; "
+                "use the 'ulysses' strategy (fpdt_chunk_size=None) for this model"
             )
-        if sliding_window is not None:
-            raise ValueError(
-                f"{name} uses sliding-window attention, which FPDT does not implement; use mode='ulysses'"
-            )
-        out = fpdt_attention(q, k, v, chunk_size=ctx.chunk_size, offload=ctx.offload, **common)
+        out = fpdt_attention(
+            q, k, v, chunk_size=ctx.chunk_size, offload=ctx.offload, sliding_window=sliding_window, **common
+        )
     ctx.attention_calls += 1
     return out, None
 
