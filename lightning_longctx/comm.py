@@ -53,15 +53,18 @@ COMM_STATS = CommStats()
 def _all_to_all(
     out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group
 ):
-    # gloo and NCCL both accept uneven split sizes; inputs must be contiguous (a permuted
-    # empty_like silently produced garbage in our tests).
-    inp = inp.contiguous()
-    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+    """``all_to_all_single`` on FLAT buffers; splits are element counts (gloo and NCCL accept uneven
+    ones). Inputs must be contiguous: a permuted ``empty_like`` silently produced garbage."""
+    dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
     rank, _ = group_rank_size(group)
-    row_bytes = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
-    COMM_STATS.bytes_sent += (sum(in_splits) - in_splits[rank]) * row_bytes
+    COMM_STATS.bytes_sent += (sum(in_splits) - in_splits[rank]) * inp.element_size()
     COMM_STATS.calls += 1
     return out
+
+
+# Buffers are laid out rank-first, (P, b, s, heads, d), as DeepSpeed does: for batch 1 the receive side
+# of seq->head and the send side of head->seq are then views, not copies (a heads-first layout cost
+# 15 full-tensor copies per forward+backward of an attention layer against 8 here).
 
 
 def _seq_to_head(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -69,22 +72,30 @@ def _seq_to_head(x: torch.Tensor, group: Group) -> torch.Tensor:
     b, s, h, d = x.shape
     splits = head_split(h, world)
     mine = splits[rank]
-    send = x.permute(2, 0, 1, 3).contiguous()  # (h, b, s, d): head blocks are dim-0 slices
-    recv = torch.empty((world * mine, b, s, d), dtype=x.dtype, device=x.device)
-    _all_to_all(recv, send, [mine] * world, splits, group)
-    # recv holds, per source rank j, its s tokens of my heads -> (b, P*s, mine, d)
-    return recv.view(world, mine, b, s, d).permute(2, 0, 3, 1, 4).reshape(b, world * s, mine, d)
+    if h % world == 0:  # (P, b, s, h/P, d): rank j's block is slice j
+        send = x.view(b, s, world, mine, d).permute(2, 0, 1, 3, 4).contiguous()
+    else:  # uneven heads: concatenate each rank's (b, s, h_j, d) block
+        send = torch.cat([blk.reshape(-1) for blk in x.split(splits, dim=2)])
+    recv = torch.empty((world, b, s, mine, d), dtype=x.dtype, device=x.device)
+    _all_to_all(
+        recv.view(-1), send.view(-1), [b * s * mine * d] * world, [b * s * m * d for m in splits], group
+    )
+    # recv[j] = source rank j's s tokens of my heads -> (b, P*s, mine, d), rank order = sequence order
+    return recv.transpose(0, 1).reshape(b, world * s, mine, d)
 
 
 def _head_to_seq(x: torch.Tensor, num_heads: int, group: Group) -> torch.Tensor:
-    _rank, world = group_rank_size(group)
-    b, S, mine, d = x.shape
-    s = S // world
+    _, world = group_rank_size(group)
+    b, seq, mine, d = x.shape
+    s = seq // world
     splits = head_split(num_heads, world)
-    send = x.view(b, world, s, mine, d).permute(1, 3, 0, 2, 4).contiguous()  # (P, mine, b, s, d)
-    recv = torch.empty((num_heads, b, s, d), dtype=x.dtype, device=x.device)
-    _all_to_all(recv, send.view(world * mine, b, s, d), splits, [mine] * world, group)
-    return recv.permute(1, 2, 0, 3)  # (b, s, h, d)
+    send = x.reshape(b, world, s, mine, d).transpose(0, 1).contiguous()  # (P, b, s, mine, d)
+    recv = torch.empty(b * s * num_heads * d, dtype=x.dtype, device=x.device)
+    _all_to_all(recv, send.view(-1), [b * s * m * d for m in splits], [b * s * mine * d] * world, group)
+    if num_heads % world == 0:
+        return recv.view(world, b, s, mine, d).permute(1, 2, 0, 3, 4).reshape(b, s, num_heads, d)
+    blocks = recv.split([b * s * m * d for m in splits])
+    return torch.cat([blk.view(b, s, m, d) for blk, m in zip(blocks, splits)], dim=2)
 
 
 class _SeqToHead(torch.autograd.Function):

@@ -1,0 +1,46 @@
+"""The benchmark scripts run end to end at toy sizes and write the JSON they promise."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_ulysses_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "ulysses.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_ulysses.py"),
+        *("--seq-lens", "256", "--world-sizes", "2", "--heads", "4", "--head-dim", "16"),
+        *("--repeats", "1", "--warmup", "0", "--comm-repeats", "1", "--timeout", "60", "--out", str(out)),
+    ]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    )
+    assert "deepspeed:" in proc.stdout
+
+    data = json.loads(out.read_text())
+    assert {"benchmark", "config", "deepspeed", "environment", "checks_passed", "failures", "results"} <= set(
+        data
+    )
+    assert data["checks_passed"] and not data["failures"]
+    (row,) = data["results"]
+    assert {"P", "N", "ours_ms", "ours_bytes_per_rank", "formula_bytes_per_rank", "ours_bytes_ratio"} <= set(
+        row
+    )
+    assert (row["P"], row["N"]) == (2, 256)
+    assert row["ours_bytes_ratio"] == 1.0
+    # fwd + bwd: 8 * b * (N/P) * h * d * 4 bytes * (P-1)/P = 8 * 128 * 4 * 16 * 4 / 2
+    assert row["ours_bytes_per_rank"] == row["formula_bytes_per_rank"] == [131072, 131072]
+    assert row["ours_comm_stats_bytes_per_rank"] == row["ours_bytes_per_rank"]
+    if data["deepspeed"].startswith("ok"):
+        assert row["deepspeed_bytes_ratio"] == 1.0
+        assert row["diff_out"] <= 1e-5 and row["diff_grad"] <= 1e-5
+        assert row["deepspeed_batch_dim_none_diff"] > 1e-3  # the batch_dim_idx=None trap is real
