@@ -95,7 +95,15 @@ class HFModule(L.LightningModule):
 
 
 def reference_training(
-    model, dataset, *, dp: int, batch_size: int, steps: int, accumulate: int = 1, lr: float = 0.5
+    model,
+    dataset,
+    *,
+    dp: int,
+    batch_size: int,
+    steps: int,
+    accumulate: int = 1,
+    lr: float = 0.5,
+    clip: float | None = None,
 ):
     """Single-process SGD on the same global batches, in the order Lightning's DistributedSampler gives
     them (``num_replicas=dp``, shuffled with seed 0: Lightning always shuffles the training set under a
@@ -119,5 +127,7 @@ def reference_training(
                 loss.backward()
                 total += loss.item()
             losses.append(total * accumulate)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return losses

@@ -52,12 +52,12 @@ def _fit(
     return {k: v for k, v in module.model.state_dict().items()}, module.losses, trainer.strategy.sp_size
 
 
-def _compare(results, arch, sp, world, steps, model_kwargs, accumulate=1, batch_size=1, seq=SEQ):
+def _compare(results, arch, sp, world, steps, model_kwargs, accumulate=1, batch_size=1, seq=SEQ, clip=None):
     dp = world // sp
     ref_model = tiny_model(arch, **model_kwargs)
     data = TokenDataset(dp * batch_size * steps * accumulate, seq)
     ref_losses = reference_training(
-        ref_model, data, dp=dp, batch_size=batch_size, steps=steps, accumulate=accumulate
+        ref_model, data, dp=dp, batch_size=batch_size, steps=steps, accumulate=accumulate, clip=clip
     )
     ref_state = ref_model.state_dict()
     init_state = tiny_model(arch, **model_kwargs).state_dict()
@@ -84,6 +84,7 @@ CASES = {
     "llama_gqa_kv1_sp4": ("llama", 4, 4, {}, {"kv_heads": 1}, 1),
     "llama_dp2_sp2": ("llama", 4, 2, {}, {}, 1),
     "llama_sp2_accumulate2": ("llama", 2, 2, {}, {}, 2),
+    "llama_sp2_activation_checkpointing": ("llama", 2, 2, {"activation_checkpointing": True}, {}, 1),
     # FPDT: 24 tokens, sp 2 -> 12 local tokens in 3 chunks of 4; tiled MLP + chunked loss; offload
     "llama_fpdt_sp2_offload": ("llama", 2, 2, {"fpdt_chunk_size": 4, "offload": True}, {}, 1),
     "qwen2_fpdt_sp4_gqa_kv1": ("qwen2", 4, 4, {"fpdt_chunk_size": 2}, {"kv_heads": 1}, 1),
@@ -104,6 +105,15 @@ def test_sequence_not_divisible_is_padded_exactly(dist_pool, world):
     """23 tokens over 2 or 4 ranks, batch 2: padded at the end, loss and every parameter unchanged."""
     results = dist_pool(world).run(_fit, "llama", world, 2, {}, {}, 1, 2, None, 23)
     _compare(results, "llama", world, world, 2, {}, batch_size=2, seq=23)
+
+
+@pytest.mark.parametrize("fpdt", [False, True])
+def test_gradient_clipping_matches(dist_pool, fpdt):
+    """Clipping acts on the reduced (full) gradient: clip_grad_norm_ of a single-process loop."""
+    skw = {"fpdt_chunk_size": 4} if fpdt else {}
+    clip = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
+    results = dist_pool(2).run(_fit, "llama", 2, 2, skw, {}, 1, 1, clip)
+    _compare(results, "llama", 2, 2, 2, {}, clip=0.05)
 
 
 def test_sp1_single_process_matches(dist_pool):
