@@ -44,7 +44,7 @@ class SequenceParallelConfig:
     fpdt_chunk_size: int | None = None
     offload: bool | Literal["auto"] = False
     attention_backend: str = "auto"
-    data_parallel: Literal["ddp"] = "ddp"
+    data_parallel: Literal["ddp", "fsdp"] = "ddp"
     activation_checkpointing: bool = False
     mlp_chunk_size: int | None = None
     loss_chunk_size: int | None = None
@@ -67,10 +67,10 @@ class SequenceParallelConfig:
             )
         if self.offload is True and self.fpdt_chunk_size is None:
             raise ValueError("offload=True needs FPDT chunking: set fpdt_chunk_size (e.g. 4096)")
-        if self.data_parallel != "ddp":
+        if self.data_parallel not in ("ddp", "fsdp"):
             raise ValueError(
-                f"data_parallel={self.data_parallel!r} is not supported yet; use 'ddp' (replicated parameters, "
-                "gradients all-reduced over dp x sp)"
+                f"data_parallel={self.data_parallel!r} is unknown; use 'ddp' (replicated parameters) or 'fsdp' "
+                "(FSDP2 fully_shard per transformer block over all dp x sp ranks)"
             )
 
     @property
@@ -89,7 +89,9 @@ class UlyssesFPDTStrategy(DDPStrategy):
         offload: keep FPDT's cold key/value chunks and saved activations in host memory; ``"auto"`` =
             on when training on CUDA.
         attention_backend: local kernel, ``"auto" | "flash" | "sdpa" | "math"``.
-        data_parallel: ``"ddp"``.
+        data_parallel: ``"ddp"`` (replicated parameters, DDP all-reduce over dp x sp) or ``"fsdp"`` (FSDP2
+            ``fully_shard`` of every transformer block and of each HF model over all dp x sp ranks;
+            checkpoints hold full, unsharded state dicts).
         activation_checkpointing: enable HF gradient checkpointing (non-reentrant) on patched models.
         mlp_chunk_size / loss_chunk_size: FPDT tiling of the MLP and of lm_head + loss (default: chunk size).
         pad_token_id / ignore_index: used when padding sequences that don't divide.
@@ -104,7 +106,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
         fpdt_chunk_size: int | None = None,
         offload: bool | Literal["auto"] = False,
         attention_backend: str = "auto",
-        data_parallel: Literal["ddp"] = "ddp",
+        data_parallel: Literal["ddp", "fsdp"] = "ddp",
         activation_checkpointing: bool = False,
         mlp_chunk_size: int | None = None,
         loss_chunk_size: int | None = None,
@@ -129,6 +131,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
         )
         self._layout: ParallelLayout | None = None
         self._mesh: Any = None
+        self._fsdp_mesh: Any = None
         self._contexts: list[Any] = []
         self._batches_sharded = 0
         self._verified = False
@@ -195,6 +198,13 @@ class UlyssesFPDTStrategy(DDPStrategy):
                 "node): its all-to-alls cross the network. Prefer a divisor of the devices per node"
             )
         self._mesh = build_device_mesh(self._layout, self.root_device.type)
+        if self.sp_config.data_parallel == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            # FSDP2 shards over every rank: with the sp-scaled loss its average over dp x sp is exact.
+            self._fsdp_mesh = init_device_mesh(
+                self.root_device.type, (self.world_size,), mesh_dim_names=("dp_sp",)
+            )
         rank_zero_info(f"UlyssesFPDTStrategy: {self._layout}, mode={self.sp_config.mode}")
 
     @property
@@ -240,6 +250,88 @@ class UlyssesFPDTStrategy(DDPStrategy):
             if cfg.activation_checkpointing:
                 module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self._contexts.append(context_of(module))
+
+    @property
+    def _fsdp(self) -> bool:
+        return self.sp_config.data_parallel == "fsdp"
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if not self._fsdp:
+            return super()._setup_model(model)
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
+        from transformers import PreTrainedModel
+
+        roots = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+        roots = [m for m in roots if not any(m is not r and m in set(r.modules()) for r in roots)]
+        covered = {id(p) for r in roots for p in r.parameters()}
+        stray = [n for n, p in model.named_parameters() if id(p) not in covered]
+        if not roots or stray:
+            raise ValueError(
+                "data_parallel='fsdp' shards transformers models; parameters outside them "
+                f"({stray[:3] or 'no transformers model found'}) are not handled. Use data_parallel='ddp'"
+            )
+        for root in roots:
+            block_names = set(getattr(root, "_no_split_modules", None) or [])
+            for module in root.modules():
+                if type(module).__name__ in block_names:
+                    fully_shard(module, mesh=self._fsdp_mesh)
+            fully_shard(root, mesh=self._fsdp_mesh)
+        return model
+
+    def _state_dict_options(self, **kw: Any) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=True, **kw)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._fsdp:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.lightning_module, options=self._state_dict_options())  # collective
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if not self._fsdp:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(
+            self.lightning_module, checkpoint["state_dict"], options=self._state_dict_options(strict=strict)
+        )
+        return None
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if not self._fsdp:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        return get_optimizer_state_dict(self.lightning_module, opt, options=self._state_dict_options())
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if not self._fsdp:
+            return super().load_optimizer_state_dict(checkpoint)
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if not state.get("state"):
+                # stateless optimizer (plain SGD, or no step yet): torch's loader needs a state tensor to
+                # find the device, so restore the hyper-parameters only.
+                for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+                    group.update({k: v for k, v in saved.items() if k != "params"})
+                continue
+            set_optimizer_state_dict(
+                self.lightning_module, optimizer, state, options=self._state_dict_options()
+            )
+        return None
 
     # ---- batches ----
     def chunk_size_for(self, seq_len: int) -> int | None:

@@ -73,13 +73,19 @@ class HFModule(L.LightningModule):
     """The user's code: training_step returns ``self.model(**batch).loss``, nothing else."""
 
     def __init__(
-        self, model: torch.nn.Module, lr: float = 0.5, batch_size: int = 1, dataset: Dataset | None = None
+        self,
+        model: torch.nn.Module,
+        lr: float = 0.5,
+        batch_size: int = 1,
+        dataset: Dataset | None = None,
+        adam: bool = False,
     ):
         super().__init__()
         self.model = model
         self.lr = lr
         self.batch_size = batch_size
         self.dataset = dataset
+        self.adam = adam
         self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
@@ -88,6 +94,8 @@ class HFModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if self.adam:  # an optimizer with per-parameter state, to exercise its checkpointing
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
     def train_dataloader(self):

@@ -49,7 +49,9 @@ def _fit(
         **(trainer_kwargs or {}),
     )
     trainer.fit(module)
-    return {k: v for k, v in module.model.state_dict().items()}, module.losses, trainer.strategy.sp_size
+    # through the strategy: full tensors also when the parameters are FSDP2-sharded (a collective)
+    state = {k.removeprefix("model."): v for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    return state, module.losses, trainer.strategy.sp_size
 
 
 def _compare(results, arch, sp, world, steps, model_kwargs, accumulate=1, batch_size=1, seq=SEQ, clip=None):
@@ -62,8 +64,11 @@ def _compare(results, arch, sp, world, steps, model_kwargs, accumulate=1, batch_
     ref_state = ref_model.state_dict()
     init_state = tiny_model(arch, **model_kwargs).state_dict()
     worst = 0.0
+    assert results[0][0], "rank 0 must hold the full state dict"
     for state, _losses, got_sp in results:
         assert got_sp == sp
+        if not state:  # FSDP: full state dicts are gathered on rank 0 only (CPU offload)
+            continue
         for name, ref in ref_state.items():
             moved = (ref - init_state[name]).abs().max().item()
             err = (state[name] - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
@@ -84,6 +89,15 @@ CASES = {
     "llama_gqa_kv1_sp4": ("llama", 4, 4, {}, {"kv_heads": 1}, 1),
     "llama_dp2_sp2": ("llama", 4, 2, {}, {}, 1),
     "llama_sp2_accumulate2": ("llama", 2, 2, {}, {}, 2),
+    "llama_fsdp_dp2_sp2": ("llama", 4, 2, {"data_parallel": "fsdp"}, {}, 1),
+    "qwen2_fsdp_sp2_fpdt_accumulate2": (
+        "qwen2",
+        2,
+        2,
+        {"data_parallel": "fsdp", "fpdt_chunk_size": 4},
+        {},
+        2,
+    ),
     "llama_sp2_activation_checkpointing": ("llama", 2, 2, {"activation_checkpointing": True}, {}, 1),
     # FPDT: 24 tokens, sp 2 -> 12 local tokens in 3 chunks of 4; tiled MLP + chunked loss; offload
     "llama_fpdt_sp2_offload": ("llama", 2, 2, {"fpdt_chunk_size": 4, "offload": True}, {}, 1),
@@ -150,8 +164,8 @@ def test_registry_and_config_errors():
     assert StrategyRegistry["fpdt_offload"]["init_params"]["offload"] is True
     with pytest.raises(ValueError, match="offload=True needs FPDT chunking"):
         UlyssesFPDTStrategy(offload=True)
-    with pytest.raises(ValueError, match="data_parallel='fsdp'"):
-        UlyssesFPDTStrategy(data_parallel="fsdp")
+    with pytest.raises(ValueError, match="data_parallel='zero3' is unknown"):
+        UlyssesFPDTStrategy(data_parallel="zero3")
     with pytest.raises(ValueError, match="sequence_parallel_size=0"):
         UlyssesFPDTStrategy(sequence_parallel_size=0)
 
@@ -159,14 +173,14 @@ def test_registry_and_config_errors():
 # ---- guardrails ----
 
 
-def _fit_module(module, sp, steps=1, ckpt_path=None, **trainer_kwargs):
+def _fit_module(module, sp, steps=1, ckpt_path=None, data_parallel="ddp", **trainer_kwargs):
     _env_for_lightning()
     kwargs = dict(
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
     )
     kwargs.update(trainer_kwargs)
     trainer = L.Trainer(
-        strategy=UlyssesFPDTStrategy(sequence_parallel_size=sp),
+        strategy=UlyssesFPDTStrategy(sequence_parallel_size=sp, data_parallel=data_parallel),
         accelerator="cpu",
         devices=dist.get_world_size(),
         max_steps=steps,
@@ -240,25 +254,37 @@ def test_guardrails_refuse_silent_no_ops(dist_pool, build, expected):
 # ---- checkpoints ----
 
 
-def _resume(root):
+def _resume(root, data_parallel, adam):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     steps = 4
     data = TokenDataset(2, SEQ)  # two epochs of two steps; the checkpoint sits at the epoch boundary
-    full = HFModule(tiny_model("llama"), dataset=data)
-    _fit_module(full, 2, steps=steps)
+    full = HFModule(tiny_model("llama"), dataset=data, adam=adam)
+    full_state = _fit_module(
+        full, 2, steps=steps, data_parallel=data_parallel
+    ).strategy.lightning_module_state_dict()
 
-    first = HFModule(tiny_model("llama"), dataset=data)
+    first = HFModule(tiny_model("llama"), dataset=data, adam=adam)
     ckpt = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True)
-    _fit_module(first, 2, steps=2, callbacks=[ckpt], enable_checkpointing=True)
+    _fit_module(first, 2, steps=2, data_parallel=data_parallel, callbacks=[ckpt], enable_checkpointing=True)
     dist.barrier()
-    second = HFModule(tiny_model("llama", seed=123), dataset=data)  # different init: must be overwritten
-    _fit_module(second, 2, steps=steps, ckpt_path=f"{root}/epoch=0-step=2.ckpt")
-    return full.losses, first.losses + second.losses, full.model.state_dict(), second.model.state_dict()
+    second = HFModule(tiny_model("llama", seed=123), dataset=data, adam=adam)  # must be overwritten
+    trainer = _fit_module(
+        second, 2, steps=steps, data_parallel=data_parallel, ckpt_path=f"{root}/epoch=0-step=2.ckpt"
+    )
+    return (
+        full.losses,
+        first.losses + second.losses,
+        full_state,
+        trainer.strategy.lightning_module_state_dict(),
+    )
 
 
-def test_checkpoint_resume_continues_exactly(dist_pool, tmp_path):
-    for full_losses, resumed_losses, full_state, resumed_state in dist_pool(2).run(_resume, str(tmp_path)):
+@pytest.mark.parametrize("data_parallel,adam", [("ddp", False), ("fsdp", False), ("fsdp", True)])
+def test_checkpoint_resume_continues_exactly(dist_pool, tmp_path, data_parallel, adam):
+    results = dist_pool(2).run(_resume, str(tmp_path), data_parallel, adam)
+    assert results[0][2] and results[0][3]
+    for full_losses, resumed_losses, full_state, resumed_state in results:
         assert len(resumed_losses) == len(full_losses) == 4
         assert max(abs(a - b) for a, b in zip(full_losses, resumed_losses)) < 1e-6
         for name, ref in full_state.items():
