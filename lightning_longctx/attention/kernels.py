@@ -241,9 +241,26 @@ def default_scale(head_dim: int, softmax_scale: float | None) -> float:
 def block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: MaskSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One (q block, kv block) pair: ``(out (b, s_q, h, d) in fp32/fp64, lse (b, h, s_q))``."""
-    out, lse = math_attention(q, k, v, scale=scale, mask=mask)
-    return out.to(_compute_dtype(q.dtype)), lse
+    """One (q block, kv block) pair: ``(out (b, s_q, h, d) in fp32/fp64, lse (b, h, s_q))``.
+
+    One pass over the score tile, in place: the scale is folded into q and the exponential is taken
+    once (``p = exp(s - max)``, ``lse = max + log(sum p)``). Rows with no allowed key give 0 and -inf.
+    """
+    ct = _compute_dtype(q.dtype)
+    h = q.shape[2]
+    k, v = _expand_kv(k, h), _expand_kv(v, h)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.to(ct) * scale, k.to(ct))  # (b, h, sq, sk)
+    allowed = mask.dense(q.shape[1], k.shape[1], q.device)
+    if allowed is not None:
+        s.masked_fill_(~allowed[:, None], float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = m.masked_fill(torch.isinf(m), 0.0)  # fully masked rows: exp(-inf - 0) = 0
+    p = s.sub_(m).exp_()
+    denom = p.sum(dim=-1, keepdim=True)  # (b, h, sq, 1)
+    lse = (m + torch.log(denom)).squeeze(-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v.to(ct))
+    out.div_(denom.clamp_min(torch.finfo(ct).tiny).permute(0, 2, 1, 3))
+    return out, lse
 
 
 def merge_blocks(
@@ -279,17 +296,16 @@ def block_backward(
     ct = _compute_dtype(q.dtype)
     h, h_kv = q.shape[2], k.shape[2]
     ke, ve = _expand_kv(k, h).to(ct), _expand_kv(v, h).to(ct)
-    qc, do = q.to(ct), dout.to(ct)
-    s = torch.einsum("bqhd,bkhd->bhqk", qc, ke) * scale
+    qs, do = q.to(ct) * scale, dout.to(ct)  # the scale folded into q: dk = ds^T (q * scale)
+    p = torch.einsum("bqhd,bkhd->bhqk", qs, ke)
     allowed = mask.dense(q.shape[1], k.shape[1], q.device)
-    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), float("inf"))[..., None].to(ct))
     if allowed is not None:
-        p = p.masked_fill(~allowed[:, None], 0.0)
+        p.masked_fill_(~allowed[:, None], float("-inf"))
+    p.sub_(lse.masked_fill(torch.isinf(lse), float("inf"))[..., None].to(ct)).exp_()  # probabilities
     dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
-    dp = torch.einsum("bqhd,bkhd->bhqk", do, ve)
-    ds = p * (dp - delta[..., None].to(ct))
-    dq = torch.einsum("bhqk,bkhd->bqhd", ds, ke) * scale
-    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qc) * scale
+    ds = torch.einsum("bqhd,bkhd->bhqk", do, ve).sub_(delta[..., None].to(ct)).mul_(p)
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, ke).mul_(scale)
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qs)
     if h != h_kv:  # sum the gradients of the query heads that share a kv head
         b, sk = k.shape[:2]
         dk = dk.view(b, sk, h_kv, h // h_kv, -1).sum(3)
