@@ -207,6 +207,16 @@ class UlyssesFPDTStrategy(DDPStrategy):
             )
         rank_zero_info(f"UlyssesFPDTStrategy: {self._layout}, mode={self.sp_config.mode}")
 
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        # Lightning checks SLURM's --ntasks-per-node against `devices` only inside its own launcher,
+        # which srun makes it skip; a mismatch would otherwise surface later as an IndexError.
+        if self.cluster_environment is not None and self.cluster_environment.creates_processes_externally:
+            self.cluster_environment.validate_settings(
+                num_devices=self.num_processes, num_nodes=self.num_nodes
+            )
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -229,7 +239,11 @@ class UlyssesFPDTStrategy(DDPStrategy):
             from transformers import PreTrainedModel
         except ImportError:  # pragma: no cover - transformers is a dependency
             return
-        from lightning_longctx.integrations.transformers import context_of, enable_sequence_parallel
+        from lightning_longctx.integrations.transformers import (
+            context_of,
+            enable_activation_checkpointing,
+            enable_sequence_parallel,
+        )
 
         cfg = self.sp_config
         for module in self.lightning_module.modules():
@@ -248,7 +262,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
                 loss_chunk_size=cfg.loss_chunk_size,
             )
             if cfg.activation_checkpointing:
-                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                enable_activation_checkpointing(module)
             self._contexts.append(context_of(module))
 
     @property

@@ -167,6 +167,15 @@ def _decoder_mlps(model: nn.Module) -> list[nn.Module]:
     return [m for name, m in model.named_modules() if name.endswith(".mlp") and isinstance(m, nn.Module)]
 
 
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant checkpointing of the decoder layers (the method was renamed in transformers 5.x)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers < 5
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def enable_sequence_parallel(
     model: nn.Module,
     *,

@@ -1,0 +1,54 @@
+"""The ``lightning-longctx`` console script: LightningCLI, plus ``lightning-longctx slurm``.
+
+::
+
+    lightning-longctx fit --config examples/configs/demo_cpu.yaml
+    lightning-longctx validate --config my.yaml --ckpt_path last.ckpt
+    lightning-longctx slurm --nodes 4 --gpus-per-node 8 --config my.yaml -o train.sbatch
+
+Importing this module imports ``lightning_longctx``, which registers the strategy names
+(``--trainer.strategy=ulysses_fpdt`` / ``ulysses`` / ``fpdt_offload``). ``--model`` takes any
+LightningModule by ``class_path`` (default :class:`lightning_longctx.models.CausalLM`), ``--data``
+any LightningDataModule (e.g. ``lightning_longctx.data.RecallDataModule`` or
+``TextFilesDataModule``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import lightning as L
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from typing_extensions import override
+
+import lightning_longctx  # noqa: F401  (registers the strategy names before the Trainer parses them)
+from lightning_longctx import slurm
+
+__all__ = ["LongCtxCLI", "main"]
+
+DEFAULT_MODEL = "lightning_longctx.models.CausalLM"
+
+
+class LongCtxCLI(LightningCLI):
+    """LightningCLI with ``CausalLM`` as the default ``--model`` class."""
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``lightning-longctx`` and ``python -m lightning_longctx``; returns the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "slurm":
+        return slurm.main(args[1:])
+    LongCtxCLI(
+        L.LightningModule,
+        None,  # --data optional (a model may bring its own dataloaders); any LightningDataModule class_path
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=None if argv is None else args,
+    )
+    return 0

@@ -1,0 +1,224 @@
+"""``CausalLM``: a ready LightningModule around a Hugging Face causal LM.
+
+The training step is the user's code of DESIGN §3, unchanged: ``self.model(**batch).loss``.
+Under :class:`~lightning_longctx.UlyssesFPDTStrategy` the batch arrives sharded along the
+sequence (``input_ids`` ``(b, s/P)``, pre-shifted ``shift_labels``, GLOBAL ``position_ids``) and
+the model's attention and loss are already swapped; on one device the same step trains plainly.
+
+The model is built in :meth:`CausalLM.configure_model`, inside the strategy's tensor-init
+context (right device and dtype from the start; no fp32 copy of an 8B model in host memory).
+``CausalLM.load_from_checkpoint`` calls ``configure_model`` before loading the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_longctx.data import IGNORE_INDEX, RecallAccuracy
+from lightning_longctx.integrations.transformers import enable_activation_checkpointing
+from lightning_longctx.loss import sequence_parallel_cross_entropy
+
+__all__ = ["CausalLM", "warmup_cosine"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_LABEL_KEYS = ("labels", "shift_labels")
+
+
+def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int | None, min_ratio: float) -> float:
+    """LR multiplier: linear warmup over ``warmup_steps``, then cosine from 1 to ``min_ratio`` at
+    ``total_steps`` (constant 1 after warmup when ``total_steps`` is ``None``)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if total_steps is None:
+        return 1.0
+    progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _shifted_labels(batch: dict[str, Tensor]) -> Tensor:
+    """``(b, s)`` targets aligned with the logits: the strategy's pre-shifted ``shift_labels`` of
+    this rank's shard, or (unsharded batch) ``labels[:, 1:]`` padded with ``-100``."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    labels = batch["labels"]
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+
+
+class CausalLM(L.LightningModule):
+    """A Hugging Face causal LM, trained with AdamW and an optional warmup + cosine schedule.
+
+    Args:
+        model_config: a transformers config as a dict, e.g. ``{"model_type": "llama",
+            "hidden_size": 64, ...}``; built with ``AutoConfig.for_model`` and
+            ``AutoModelForCausalLM.from_config`` (random weights).
+        pretrained_path: a LOCAL directory for ``AutoModelForCausalLM.from_pretrained(...,
+            local_files_only=True)``. Exactly one of ``model_config`` / ``pretrained_path``.
+        lr, weight_decay, betas: AdamW; weight decay applies to matrices only (not norms/biases).
+        warmup_steps: linear warmup from ``lr / warmup_steps`` to ``lr``.
+        max_steps_schedule: cosine decay to ``min_lr_ratio * lr`` at this step; ``None`` keeps
+            ``lr`` constant after warmup.
+        min_lr_ratio: the floor of the cosine decay, as a fraction of ``lr``.
+        activation_checkpointing: HF gradient checkpointing (non-reentrant) on the decoder layers.
+        dtype: ``"bfloat16" | "float16" | "float32"`` for the weights; ``None`` = the trainer's
+            precision decides (``bf16-true`` gives bf16 weights, ``bf16-mixed`` fp32 weights).
+        eval_metric: in validation/test, compute the loss and the argmax accuracy
+            (``val/recall_acc``) from logits at the labelled positions only (cheap for sparse
+            labels such as the recall task; with dense labels it materialises the shard's full
+            logits, so turn it off for long text). ``False``: ``val/loss`` only, from the model's
+            own (chunked, under FPDT) loss.
+    """
+
+    def __init__(
+        self,
+        model_config: dict[str, Any] | None = None,
+        pretrained_path: str | None = None,
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        max_steps_schedule: int | None = None,
+        min_lr_ratio: float = 0.1,
+        activation_checkpointing: bool = False,
+        dtype: str | None = None,
+        eval_metric: bool = True,
+    ) -> None:
+        super().__init__()
+        if (model_config is None) == (pretrained_path is None):
+            raise ValueError(
+                "give exactly one of model_config (a dict with 'model_type', random weights) or "
+                f"pretrained_path (a local directory); got model_config={model_config!r}, "
+                f"pretrained_path={pretrained_path!r}"
+            )
+        if model_config is not None and "model_type" not in model_config:
+            raise ValueError(
+                f"model_config needs a 'model_type' key (e.g. 'llama'); got keys {sorted(model_config)}"
+            )
+        if dtype is not None and dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r}: use one of {sorted(_DTYPES)} or None")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
+        if max_steps_schedule is not None and max_steps_schedule <= warmup_steps:
+            raise ValueError(
+                f"max_steps_schedule={max_steps_schedule} must exceed warmup_steps={warmup_steps}"
+            )
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio={min_lr_ratio} must be in [0, 1]")
+        self.save_hyperparameters()
+        self.model: nn.Module | None = None
+        self.val_acc = RecallAccuracy()
+        self.test_acc = RecallAccuracy()
+
+    # ---- model ----
+    @override
+    def configure_model(self) -> None:
+        if self.model is not None:  # called again by load_from_checkpoint, or a second fit
+            return
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        hp = self.hparams
+        dtype = _DTYPES[hp.dtype] if hp.dtype is not None else None
+        kwargs: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
+        if hp.pretrained_path is not None:
+            model = AutoModelForCausalLM.from_pretrained(hp.pretrained_path, local_files_only=True, **kwargs)
+        else:
+            cfg = dict(hp.model_config)
+            config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        model.config.use_cache = False
+        if hp.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        self._check_vocab(model)
+        self.model = model
+
+    def _check_vocab(self, model: nn.Module) -> None:
+        """A datamodule with more token ids than the model's vocabulary would index out of range."""
+        trainer = self._trainer
+        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+        data_vocab = getattr(datamodule, "vocab_size", None)
+        model_vocab = getattr(model.config, "vocab_size", None)
+        if isinstance(data_vocab, int) and isinstance(model_vocab, int) and data_vocab > model_vocab:
+            raise ValueError(
+                f"the datamodule produces token ids up to {data_vocab - 1} but the model's vocab_size is "
+                f"{model_vocab}; set model_config.vocab_size >= {data_vocab}"
+            )
+
+    @property
+    def hf_model(self) -> nn.Module:
+        if self.model is None:
+            raise RuntimeError("the model is built in configure_model(); call it (or trainer.fit) first")
+        return self.model
+
+    def _sp_group(self, batch: dict[str, Tensor]) -> Any:
+        """The strategy's sequence-parallel group when this batch was sharded by it, else ``None``."""
+        if "shift_labels" not in batch or self._trainer is None:
+            return None
+        return getattr(self.trainer.strategy, "sp_group", None)
+
+    # ---- steps ----
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.hf_model(**batch).loss
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def _eval_step(self, batch: dict[str, Tensor], prefix: str, metric: RecallAccuracy) -> Tensor:
+        batch_size = batch["input_ids"].shape[0]
+        if not self.hparams.eval_metric:
+            loss = self.hf_model(**batch).loss
+            self.log(f"{prefix}/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch_size)
+            return loss
+        targets = _shifted_labels(batch)  # (b, s_local), aligned with the logits
+        keep = targets != IGNORE_INDEX
+        inputs = {k: v for k, v in batch.items() if k not in _LABEL_KEYS}
+        # A boolean logits_to_keep projects only the labelled positions onto the vocabulary:
+        # logits (n_labelled, V) — never (b, s/P, V), which FPDT's chunked loss exists to avoid.
+        logits = self.hf_model(**inputs, logits_to_keep=keep).logits
+        loss = sequence_parallel_cross_entropy(logits, targets[keep], group=self._sp_group(batch))
+        metric.update(logits, targets[keep], shifted=True)
+        self.log(f"{prefix}/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch_size)
+        self.log(f"{prefix}/recall_acc", metric, prog_bar=True, on_step=False, on_epoch=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self._eval_step(batch, "val", self.val_acc)
+
+    @override
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self._eval_step(batch, "test", self.test_acc)
+
+    @override
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        """Greedy next-token ids ``(b, s_local)`` for this rank's shard of the sequence."""
+        inputs = {k: v for k, v in batch.items() if k not in _LABEL_KEYS}
+        return self.hf_model(**inputs).logits.argmax(dim=-1)
+
+    # ---- optimisation ----
+    @override
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        params = [p for p in self.hf_model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        if hp.warmup_steps == 0 and hp.max_steps_schedule is None:
+            return optimizer
+
+        def factor(step: int) -> float:
+            return warmup_cosine(
+                step,
+                warmup_steps=hp.warmup_steps,
+                total_steps=hp.max_steps_schedule,
+                min_ratio=hp.min_lr_ratio,
+            )
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
