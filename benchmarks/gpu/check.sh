@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# One prepared check for an NVIDIA GPU machine (PyTorch, Triton, transformers; no internet, no
+# flash-attn, nothing installed): the CUDA tests, then MFU and the largest FPDT+offload sequence of a
+# ~1B Llama on ONE GPU. Run from anywhere; it works in the repository root. Ends in < 8 minutes.
+#
+#   bash benchmarks/gpu/check.sh OUTDIR            # on the GPU machine
+#   DEVICE=cpu bash benchmarks/gpu/check.sh OUTDIR # dry run of the whole script on a CPU, toy sizes
+#
+# Writes 6 files into OUTDIR: check.log (everything printed), pytest.log, pytest.xml (junit),
+# mfu.json, fit.json, summary.json. Stages (each under `timeout`; a failed stage does not stop the next):
+#   1. env: versions of torch/triton/transformers/lightning/torchmetrics/jsonargparse, package import
+#   2. tests: pytest -m cuda tests/ (tests/test_gpu.py)
+#   3. mfu: Ulysses (SDPA) training steps at 32K..256K tokens, checkpointing as needed, stop at 1st OOM
+#   4. fit: FPDT + offload, doubling from 64K, one process per length, within a time budget
+#   5. summary: summary.json (MFU table, largest fit, FPDT overhead over Ulysses at equal N)
+# Knobs (environment): PYTHON, DEVICE, TEST_TIMEOUT, MFU_BUDGET, FIT_BUDGET, SEQ_LENS, FIT_START, TOTAL_BUDGET.
+set -u
+
+OUT=${1:?usage: bash benchmarks/gpu/check.sh OUTDIR}
+mkdir -p "$OUT" || exit 2
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
+
+PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+TOTAL_BUDGET=${TOTAL_BUDGET:-450}  # seconds for all stages together (the script must end < 8 min)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PYTHONWARNINGS=ignore
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+
+if [ "$DEVICE" = cpu ]; then  # dry run: same stages, toy sizes, the OOM paths simulated
+    export LONGCTX_GPU_TESTS_ON_CPU=1
+    TEST_TIMEOUT=${TEST_TIMEOUT:-240}; MFU_BUDGET=${MFU_BUDGET:-60}; FIT_BUDGET=${FIT_BUDGET:-60}
+    SEQ_LENS=${SEQ_LENS:-"256 512 1024 2048"}; FIT_START=${FIT_START:-256}
+    EXTRA=(--device cpu --tiny --simulate-oom-above 600)
+    FIT_EXTRA=(--device cpu --tiny --chunk-size 128 --simulate-oom-above 1024 --max-len 4096)
+    TOTAL_BUDGET=${TOTAL_BUDGET_CPU:-600}
+else
+    TEST_TIMEOUT=${TEST_TIMEOUT:-90}; MFU_BUDGET=${MFU_BUDGET:-140}; FIT_BUDGET=${FIT_BUDGET:-170}
+    SEQ_LENS=${SEQ_LENS:-"32768 65536 131072 262144"}; FIT_START=${FIT_START:-65536}
+    EXTRA=(); FIT_EXTRA=()
+fi
+
+START=$SECONDS
+left() { echo $((TOTAL_BUDGET - (SECONDS - START))); }
+cap() { local want=$1 rest; rest=$(left); [ "$want" -lt "$rest" ] && echo "$want" || echo $((rest > 5 ? rest : 5)); }
+stage() { echo; echo "=== [$((SECONDS - START))s] $* ==="; }
+minus() { local v=$(($1 - $2)); echo $((v > 1 ? v : 1)); }
+
+main() {
+    stage "1/5 environment"
+    nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
+    timeout -k 5 60 "$PY" benchmarks/gpu/summarize.py env
+    RC_ENV=$?
+
+    stage "2/5 CUDA tests: pytest -m cuda tests/ (timeout $(cap "$TEST_TIMEOUT")s)"
+    IGNORE=()  # the CLI tests need jsonargparse (LightningCLI); they hold no CUDA test
+    if ! "$PY" -c "import jsonargparse" 2>/dev/null; then
+        echo "jsonargparse is not installed: collecting without tests/test_cli.py"
+        IGNORE=(--ignore=tests/test_cli.py)
+    fi
+    timeout -k 10 "$(cap "$TEST_TIMEOUT")" "$PY" -m pytest -q -m cuda tests/ -p no:cacheprovider ${IGNORE[@]+"${IGNORE[@]}"} \
+        --continue-on-collection-errors -rA --junitxml="$OUT/pytest.xml" >"$OUT/pytest.log" 2>&1
+    RC_TESTS=$?
+    tail -n 25 "$OUT/pytest.log"
+    echo "pytest exit code: $RC_TESTS"
+
+    stage "3/5 MFU, Ulysses (SDPA), N = $SEQ_LENS (budget ${MFU_BUDGET}s)"
+    H=$(cap $((MFU_BUDGET + 30)))  # hard limit; the script plans its lengths within H - 30 s
+    # shellcheck disable=SC2086  # SEQ_LENS is a list of numbers
+    timeout -k 10 "$H" "$PY" benchmarks/gpu/longctx.py mfu --seq-lens $SEQ_LENS --budget-s "$(minus "$H" 30)" \
+        --out "$OUT/mfu.json" ${EXTRA[@]+"${EXTRA[@]}"}
+    RC_MFU=$?
+    echo "mfu exit code: $RC_MFU"
+
+    stage "4/5 largest sequence with FPDT + offload, doubling from $FIT_START (budget ${FIT_BUDGET}s)"
+    H=$(cap $((FIT_BUDGET + 20)))
+    timeout -k 10 "$H" "$PY" benchmarks/gpu/longctx.py fit --start "$FIT_START" --budget-s "$(minus "$H" 20)" --steps 1 \
+        --out "$OUT/fit.json" ${FIT_EXTRA[@]+"${FIT_EXTRA[@]}"}
+    RC_FIT=$?
+    echo "fit exit code: $RC_FIT"
+
+    stage "5/5 summary"
+    timeout -k 5 60 "$PY" benchmarks/gpu/summarize.py summary "$OUT" \
+        --rc env=$RC_ENV tests=$RC_TESTS mfu=$RC_MFU fit=$RC_FIT
+    echo
+    echo "done in $((SECONDS - START))s; files in $OUT:"
+    ls -l "$OUT"
+    [ "$RC_TESTS" -eq 0 ] && [ "$RC_MFU" -eq 0 ] && [ "$RC_FIT" -eq 0 ]
+}
+
+main 2>&1 | tee "$OUT/check.log"
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,159 @@
+"""Environment probe and summary for ``check.sh``: ``env`` prints what the machine has; ``summary`` merges
+``mfu.json`` and ``fit.json`` into ``summary.json`` with the FPDT overhead over Ulysses at equal N.
+
+    python benchmarks/gpu/summarize.py env
+    python benchmarks/gpu/summarize.py summary OUTDIR --rc tests=0 mfu=0 fit=0
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata as md
+import json
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = (
+    "torch",
+    "triton",
+    "transformers",
+    "lightning",
+    "pytorch-lightning",
+    "torchmetrics",
+    "jsonargparse",
+)
+
+
+def probe() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "executable": sys.executable,
+    }
+    for name in PACKAGES:
+        try:
+            env[name] = md.version(name)
+        except md.PackageNotFoundError:
+            env[name] = None
+    try:
+        import torch
+
+        env["cuda_available"] = torch.cuda.is_available()
+        if torch.cuda.is_available():
+            env["gpu"] = torch.cuda.get_device_name(0)
+            env["torch_cuda"] = torch.version.cuda
+            env["cudnn"] = torch.backends.cudnn.version()
+    except Exception as e:
+        env["torch_error"] = repr(e)
+    sys.path.insert(0, str(ROOT))
+    try:
+        importlib.import_module("lightning_longctx")
+        env["lightning_longctx_import"] = "ok"
+    except Exception as e:
+        env["lightning_longctx_import"] = f"FAILED: {type(e).__name__}: {e}"
+    return env
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def junit_counts(path: Path) -> dict[str, Any] | None:
+    """Totals of a pytest junit XML, and the ids of failed tests and collection errors."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    totals = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    bad = []
+    for case in root.iter("testcase"):
+        for kind in ("failure", "error"):
+            if case.find(kind) is not None:
+                bad.append(f"{kind}: {case.get('classname')}::{case.get('name')}")
+    totals["passed"] = totals["tests"] - totals["failures"] - totals["errors"] - totals["skipped"]
+    totals["not_passed"] = bad[:30]
+    return totals
+
+
+def summarize(out: Path, rc: dict[str, str]) -> dict[str, Any]:
+    mfu, fit = _load(out / "mfu.json"), _load(out / "fit.json")
+    ulysses = {r["seq_len"]: r for r in (mfu or {}).get("results", []) if r.get("status") == "ok"}
+    fpdt = {r["seq_len"]: r for r in (fit or {}).get("results", []) if r.get("status") == "ok"}
+    overhead = []
+    for n in sorted(set(ulysses) & set(fpdt)):
+        u, f = ulysses[n], fpdt[n]
+        overhead.append(
+            {
+                "seq_len": n,
+                "ulysses_step_s": u["measured_step_s"],
+                "fpdt_offload_step_s": f["measured_step_s"],
+                "overhead": round(f["measured_step_s"] / u["measured_step_s"] - 1.0, 3),
+                "ulysses_checkpointing": u.get("activation_checkpointing"),
+                "fpdt_checkpointing": f.get("activation_checkpointing"),
+                "fpdt_first_step_only": f.get("first_step_only"),
+                "fpdt_chunk_size": f.get("chunk_size"),
+            }
+        )
+    summary = {
+        "environment": probe(),
+        "stage_exit_codes": rc,
+        "tests": junit_counts(out / "pytest.xml"),
+        "mfu": [
+            {
+                k: r.get(k)
+                for k in ("seq_len", "status", "mfu", "tflops", "tokens_per_sec", "activation_checkpointing")
+            }
+            for r in (mfu or {}).get("results", [])
+        ],
+        "sdpa_kernels": (mfu or {}).get("sdpa_kernels"),
+        "fpdt_offload_largest_fit": (fit or {}).get("largest_fit"),
+        "fpdt_offload_stopped_by": (fit or {}).get("stopped_by"),
+        "fpdt_offload_estimated_limits": (fit or {}).get("estimated_limits"),
+        "fpdt_overhead_over_ulysses": overhead,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("env")
+    s = sub.add_parser("summary")
+    s.add_argument("outdir", type=Path)
+    s.add_argument("--rc", nargs="*", default=[], help="stage=exit_code pairs")
+    args = p.parse_args(argv)
+    if args.cmd == "env":
+        print(json.dumps(probe(), indent=2))
+        return 0
+    summary = summarize(args.outdir, dict(kv.split("=", 1) for kv in args.rc))
+    print(f"CUDA tests: {summary['tests']}")
+    print("MFU (Ulysses, SDPA):")
+    for r in summary["mfu"]:
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+        print(
+            f"  N={r['seq_len']:>7}  {r['status']:<9} MFU {mfu:>6}  ckpt={r.get('activation_checkpointing')}"
+        )
+    print(
+        f"FPDT+offload: largest N that ran {summary['fpdt_offload_largest_fit']} "
+        f"(stopped by {summary['fpdt_offload_stopped_by']}); estimates {summary['fpdt_offload_estimated_limits']}"
+    )
+    for o in summary["fpdt_overhead_over_ulysses"]:
+        print(f"FPDT overhead at N={o['seq_len']}: {100 * o['overhead']:+.0f}%  ({o})")
+    print(f"stage exit codes: {summary['stage_exit_codes']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""CUDA checks on one GPU (P = 1): kernels, FPDT offload with real streams and pinned memory, tiling.
+
+Every test is marked ``cuda`` and skipped without CUDA; ``benchmarks/gpu/check.sh`` runs them with
+``pytest -m cuda``. ``LONGCTX_GPU_TESTS_ON_CPU=1`` runs the same tests on the CPU instead (a dry run of
+their logic; the pinned-memory and stream assertions are then skipped).
+
+Accuracy rule (as flash-attention's tests): against a float64 reference on the CPU, our result may
+make at most twice the error that plain PyTorch makes in the same dtype on the same device, plus a
+small floor.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_models import tiny_model
+from reference import reference_attention
+
+from lightning_longctx import chunked_lm_head_cross_entropy, enable_sequence_parallel, shard_batch, tile_mlp_
+from lightning_longctx.attention.fpdt import fpdt_attention
+from lightning_longctx.attention.offload import OFFLOAD_STATS, offloaded_bytes
+from lightning_longctx.attention.ulysses import ulysses_attention
+
+ON_CPU = os.environ.get("LONGCTX_GPU_TESTS_ON_CPU") == "1"
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FLOOR = {"fp32": 1e-5, "bf16": 1e-3}  # absolute slack on top of 2x the plain error
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not (CUDA or ON_CPU),
+        reason="needs an NVIDIA GPU (run by benchmarks/gpu/check.sh; LONGCTX_GPU_TESTS_ON_CPU=1 dry-runs on CPU)",
+    ),
+]
+
+
+def _qkvw(b: int, n: int, h: int, h_kv: int, d: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(b, n, h, d), (b, n, h_kv, d), (b, n, h_kv, d), (b, n, h, d)]
+    return [torch.randn(*s, generator=g, dtype=torch.float64).to(dtype).double() for s in shapes]
+
+
+def _attn_errors(fn, name: str, *, b=1, n=512, h=8, h_kv=4, d=64) -> tuple[list[float], list[float]]:
+    """Max error of (out, dq, dk, dv) of ``fn`` and of plain PyTorch in dtype ``name``, vs float64."""
+    dtype = DTYPES[name]
+    q, k, v, w = _qkvw(b, n, h, h_kv, d, dtype)  # values representable in dtype: same inputs for all
+    exact_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    exact = reference_attention(*exact_in)
+    (exact * w).sum().backward()
+    want = [exact.detach(), *(x.grad for x in exact_in)]
+
+    def run(f):
+        inp = [x.detach().to(DEVICE, dtype, copy=True).requires_grad_() for x in (q, k, v)]
+        out = f(*inp)
+        (out.float() * w.to(DEVICE, torch.float32)).sum().backward()
+        got = [out.detach(), *(x.grad for x in inp)]
+        return [(a.double().cpu() - e).abs().max().item() for a, e in zip(got, want)]
+
+    return run(fn), run(reference_attention)
+
+
+def _check(ours: list[float], plain: list[float], name: str) -> None:
+    for what, o, p in zip(("out", "dq", "dk", "dv"), ours, plain):
+        assert o <= 2 * p + FLOOR[name], f"{what}: ours {o:.3g} vs plain PyTorch {p:.3g} ({name})"
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+def test_ulysses_single_gpu_matches_reference(backend, name):
+    ours, plain = _attn_errors(lambda q, k, v: ulysses_attention(q, k, v, backend=backend), name)
+    _check(ours, plain, name)
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+@pytest.mark.parametrize("window", [None, 200])
+def test_fpdt_single_gpu_matches_reference(name, window):
+    n, c = 1024, 256  # u = 4 segments of 256 tokens, two 128-token compute tiles each
+
+    def fpdt(q, k, v):
+        return fpdt_attention(q, k, v, chunk_size=c, block_size=128, sliding_window=window)
+
+    def plain(q, k, v):
+        return reference_attention(q, k, v, sliding_window=window)
+
+    dtype = DTYPES[name]
+    q, k, v, w = _qkvw(1, n, 8, 2, 64, dtype, seed=1)
+    exact_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    exact = plain(*exact_in)
+    (exact * w).sum().backward()
+    want = [exact.detach(), *(x.grad for x in exact_in)]
+    errs = []
+    for f in (fpdt, plain):
+        inp = [x.detach().to(DEVICE, dtype, copy=True).requires_grad_() for x in (q, k, v)]
+        out = f(*inp)
+        (out.float() * w.to(DEVICE, torch.float32)).sum().backward()
+        got = [out.detach(), *(x.grad for x in inp)]
+        errs.append([(a.double().cpu() - e).abs().max().item() for a, e in zip(got, want)])
+    _check(*errs, name)
+
+
+def _fpdt_step(q, k, v, w, *, offload: bool, chunk: int):
+    inp = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = fpdt_attention(*inp, chunk_size=chunk, block_size=256, offload=offload)
+    before_backward = torch.cuda.memory_allocated() if CUDA else 0
+    host = offloaded_bytes()
+    store = getattr(out.grad_fn, "store", None)  # the Function's ctx: host buffers when offloading
+    pinned = None if store is None else all(t.is_pinned() for t in store._data.values())
+    (out.float() * w).sum().backward()
+    return [out.detach(), *(x.grad for x in inp)], before_backward, host, pinned
+
+
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_fpdt_offload_bit_identical_with_streams_and_pinned_memory(side_stream):
+    """offload=True (device->pinned host copies and prefetches on a side stream) == offload=False, bitwise."""
+    n, chunk = (8192 if CUDA else 1024), 512 // (1 if CUDA else 4)  # 16 segments: chunks go out and come back
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, n, h, 64, generator=g).to(DEVICE, torch.bfloat16) for h in (8, 2, 2))
+    w = torch.randn(1, n, 8, 64, generator=g).to(DEVICE)
+    stream = torch.cuda.Stream() if (CUDA and side_stream) else None
+    ctx = torch.cuda.stream(stream) if stream is not None else torch.autocast("cpu", enabled=False)
+    with ctx:
+        base = torch.cuda.memory_allocated() if CUDA else 0
+        plain, mem_plain, host_plain, _ = _fpdt_step(q, k, v, w, offload=False, chunk=chunk)
+        OFFLOAD_STATS.reset()
+        off, mem_off, host_off, pinned = _fpdt_step(q, k, v, w, offload=True, chunk=chunk)
+    if CUDA:
+        torch.cuda.synchronize()
+    for a, b in zip(plain, off):
+        assert torch.equal(a, b), "offload changed the result"
+    assert host_plain == 0 and host_off > 0, (host_plain, host_off)
+    assert offloaded_bytes() == 0, "host buffers not given back after backward"
+    assert 1 <= OFFLOAD_STATS.peak_resident["k"] <= 2, dict(OFFLOAD_STATS.peak_resident)  # double buffer
+    if CUDA:
+        assert pinned is True, "offloaded chunks must live in pinned host memory"
+        assert mem_off - base < mem_plain - base, (mem_off - base, mem_plain - base)
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_chunked_loss_on_gpu(name):
+    b, s, hdim, vocab = 2, 300, 64, 3000
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(b, s, hdim, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, hdim, generator=g, dtype=torch.float64) / hdim**0.5
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    labels[:, :37] = -100
+
+    def run(h, wt, chunked: bool, device, dtype):
+        h = h.detach().to(device, dtype, copy=True).requires_grad_()
+        wt = wt.detach().to(device, dtype, copy=True).requires_grad_()
+        lab = labels.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=name == "bf16"):
+            if chunked:
+                loss = chunked_lm_head_cross_entropy(h, wt, lab, chunk_size=128)
+            else:
+                logits = F.linear(h, wt).float()
+                loss = F.cross_entropy(logits.view(-1, vocab), lab.view(-1), ignore_index=-100)
+        loss.backward()
+        return [loss.detach().double().cpu(), h.grad.double().cpu(), wt.grad.double().cpu()]
+
+    exact = run(hidden, weight, False, torch.device("cpu"), torch.float64)
+    ours = run(hidden, weight, True, DEVICE, torch.float32)
+    plain = run(hidden, weight, False, DEVICE, torch.float32)
+    for what, o, p, e in zip(("loss", "dhidden", "dweight"), ours, plain, exact):
+        err_o, err_p = (o - e).abs().max().item(), (p - e).abs().max().item()
+        assert err_o <= 2 * err_p + FLOOR[name], f"{what}: ours {err_o:.3g} vs plain {err_p:.3g} ({name})"
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_tiled_mlp_on_gpu(name):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(4)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=256)).double()
+    x = torch.randn(2, 333, 64, dtype=torch.float64)
+
+    def run(module, device, dtype):
+        module = copy.deepcopy(module).to(device, dtype if dtype == torch.float64 else torch.float32)
+        inp = x.to(device, dtype if dtype == torch.float64 else torch.float32, copy=True).requires_grad_()
+        with torch.autocast(
+            device.type, dtype=torch.bfloat16, enabled=name == "bf16" and dtype != torch.float64
+        ):
+            out = module(inp)
+        out.float().square().sum().backward()
+        grads = [inp.grad, *(p.grad for p in module.parameters())]
+        return [t.detach().double().cpu() for t in (out, *grads)]
+
+    exact = run(mlp, torch.device("cpu"), torch.float64)
+    plain = run(mlp, DEVICE, torch.float32)
+    ours = run(tile_mlp_(copy.deepcopy(mlp), 100), DEVICE, torch.float32)
+    for i, (o, p, e) in enumerate(zip(ours, plain, exact)):
+        err_o, err_p = (o - e).abs().max().item(), (p - e).abs().max().item()
+        scale = e.abs().max().item()
+        assert err_o <= 2 * err_p + FLOOR[name] * scale, f"tensor {i}: ours {err_o:.3g} vs plain {err_p:.3g}"
+
+
+@pytest.mark.parametrize(
+    "mode, offload",
+    [("ulysses", False), ("fpdt", False), ("fpdt", True)],
+    ids=["ulysses", "fpdt", "fpdt_offload"],
+)
+def test_hf_model_sequence_parallel_p1_matches_plain(mode, offload):
+    """A tiny Llama patched for P=1 on the GPU: loss and every gradient equal the plain model's (fp32)."""
+    plain = tiny_model("llama").to(DEVICE)
+    patched = copy.deepcopy(plain)
+    chunk = 16 if mode == "fpdt" else None
+    enable_sequence_parallel(patched, mode=mode, chunk_size=chunk, offload=offload)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 64, (2, 64), generator=g).to(DEVICE)
+    labels = ids.clone()
+    labels[:, :9] = -100
+    want = plain(input_ids=ids, labels=labels).loss
+    want.backward()
+    got = patched(**shard_batch({"input_ids": ids, "labels": labels}, chunk_size=chunk)).loss
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for (n, p), q in zip(plain.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
