@@ -44,3 +44,52 @@ def test_bench_ulysses_smoke(tmp_path: Path) -> None:
         assert row["deepspeed_bytes_ratio"] == 1.0
         assert row["diff_out"] <= 1e-5 and row["diff_grad"] <= 1e-5
         assert row["deepspeed_batch_dim_none_diff"] > 1e-3  # the batch_dim_idx=None trap is real
+
+
+def _run_script(args: list[str], timeout: int = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    )
+    return proc
+
+
+def test_bench_memory_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "memory.json"
+    _run_script(
+        [
+            "benchmarks/bench_memory.py",
+            "--seq-lens",
+            "256",
+            "--modes",
+            "ulysses",
+            "fpdt",
+            "--chunk-size",
+            "64",
+            "--out",
+            str(out),
+        ]
+    )
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "memory" and len(data["rows"]) == 2
+
+
+def test_bench_soak_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    _run_script(["benchmarks/bench_soak.py", "--steps", "5", "--fit-from", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "soak"
+
+
+def test_bench_throughput_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "throughput.json"
+    _run_script(["benchmarks/bench_throughput.py", "--smoke", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "throughput" and data["results"] and not data["failures"]
+
+
+def test_plot_writes_pngs(tmp_path: Path) -> None:
+    _run_script(["benchmarks/plot.py", "--results", "benchmarks/results", "--out", str(tmp_path)])
+    assert {p.name for p in tmp_path.glob("*.png")} >= {"ulysses_time.png", "memory.png", "throughput.png"}
