@@ -37,6 +37,7 @@ three runs; see ``benchmarks/README.md``).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -47,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import environment, format_table, free_port, write_json
+from common import environment, format_table, free_port, token_lm_module, write_json
 
 MODES = ("single", "ulysses", "fpdt", "fpdt_offload")
 MIB = float(1 << 20)
@@ -80,44 +81,22 @@ def _reset_hwm() -> None:
 def _worker(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
-    from torch.utils.data import DataLoader
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.set_num_threads(args.threads)
     rank = int(os.environ.get("RANK", "0"))
     cuda = args.device == "cuda"
 
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            config = LlamaConfig(
-                vocab_size=args.vocab,
-                hidden_size=args.hidden,
-                intermediate_size=args.intermediate,
-                num_hidden_layers=args.layers,
-                num_attention_heads=args.heads,
-                num_key_value_heads=args.heads,
-                max_position_embeddings=max(args.seq_len, 2048),
-                tie_word_embeddings=False,
-                attn_implementation="sdpa",
-            )
-            self.model = LlamaForCausalLM(config).float()
-            g = torch.Generator().manual_seed(1)
-            ids = torch.randint(1, args.vocab, (1, args.seq_len), generator=g)
-            self.samples = [{"input_ids": ids[0], "labels": ids[0].clone()}]
-            self.loss = float("nan")
-
-        def training_step(self, batch: dict, batch_idx: int) -> Any:
-            loss = self.model(**batch, use_cache=False).loss
-            self.loss = float(loss.detach())
-            return loss
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-        def train_dataloader(self) -> Any:
-            return DataLoader(self.samples, batch_size=1)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, args.vocab, (1, args.seq_len), generator=g)
+    module_kw = dict(vocab=args.vocab, hidden=args.hidden, intermediate=args.intermediate, layers=args.layers)
+    make_module = functools.partial(
+        token_lm_module,
+        **module_kw,
+        heads=args.heads,
+        samples=ids,
+        lr=0.1,
+        max_positions=max(args.seq_len, 2048),
+    )
 
     class StepMemory(L.Callback):
         """Baseline right before the step, peak right after it (the SGD step included)."""
@@ -164,7 +143,7 @@ def _worker(args: argparse.Namespace) -> None:
         num_sanity_val_steps=0,
         callbacks=[meter],
     )
-    module = Module()
+    module = make_module()
     trainer.fit(module)
     from lightning_longctx.attention.offload import offloaded_bytes
 

@@ -26,6 +26,7 @@ above ``--max-slope-mib`` (checked when the fit window holds at least 50 steps).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import environment, format_table, write_json
+from common import environment, format_table, token_lm_module, write_json
 
 MIB = float(1 << 20)
 HERE = Path(__file__).resolve().parent
@@ -45,8 +46,6 @@ MIN_FIT_STEPS = 50  # fewer steps than this in the fit window: warm-up growth do
 def _worker(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
-    from torch.utils.data import DataLoader
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from lightning_longctx import UlyssesFPDTStrategy
     from lightning_longctx.attention.offload import offloaded_bytes
@@ -55,33 +54,17 @@ def _worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     trim = None if args.no_trim else _malloc_trim()
 
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            config = LlamaConfig(
-                vocab_size=args.vocab,
-                hidden_size=args.hidden,
-                intermediate_size=args.intermediate,
-                num_hidden_layers=args.layers,
-                num_attention_heads=args.heads,
-                num_key_value_heads=args.heads,
-                max_position_embeddings=max(args.seq_len, 2048),
-                tie_word_embeddings=False,
-            )
-            self.model = LlamaForCausalLM(config).float()
-            g = torch.Generator().manual_seed(1)
-            ids = torch.randint(1, args.vocab, (args.steps, args.seq_len), generator=g)
-            self.samples = [{"input_ids": x, "labels": x.clone()} for x in ids]
-
-        def training_step(self, batch: dict, batch_idx: int) -> Any:
-            return self.model(**batch, use_cache=False).loss
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.05)
-
-        def train_dataloader(self) -> Any:
-            return DataLoader(self.samples, batch_size=1)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, args.vocab, (args.steps, args.seq_len), generator=g)
+    module_kw = dict(vocab=args.vocab, hidden=args.hidden, intermediate=args.intermediate, layers=args.layers)
+    make_module = functools.partial(
+        token_lm_module,
+        **module_kw,
+        heads=args.heads,
+        samples=ids,
+        lr=0.05,
+        max_positions=max(args.seq_len, 2048),
+    )
 
     class Recorder(L.Callback):
         def __init__(self) -> None:
@@ -127,7 +110,7 @@ def _worker(args: argparse.Namespace) -> None:
         num_sanity_val_steps=0,
         callbacks=[recorder],
     )
-    trainer.fit(Module())
+    trainer.fit(make_module())
     rank = trainer.global_rank
     Path(args.result_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": recorder.steps}))
 

@@ -234,3 +234,53 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> s
     ]
     lines += ["| " + " | ".join(c.rjust(w) for c, w in zip(b, widths)) + " |" for b in body]
     return "\n".join(lines)
+
+
+def token_lm_module(
+    *,
+    vocab: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    samples: Sequence[torch.Tensor],
+    lr: float,
+    max_positions: int,
+) -> Any:
+    """A LightningModule training a seeded Llama (MHA, untied head, SDPA) with SGD on ``samples``
+    (each ``(seq,)`` token ids, used as their own labels), one sample per step. Remembers the last loss."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class TokenLM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            config = LlamaConfig(
+                vocab_size=vocab,
+                hidden_size=hidden,
+                intermediate_size=intermediate,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=heads,
+                max_position_embeddings=max_positions,
+                tie_word_embeddings=False,
+                attn_implementation="sdpa",
+            )
+            self.model = LlamaForCausalLM(config).float()
+            self.samples = [{"input_ids": x, "labels": x.clone()} for x in samples]
+            self.loss = float("nan")
+
+        def training_step(self, batch: dict, batch_idx: int) -> Any:
+            loss = self.model(**batch, use_cache=False).loss
+            self.loss = float(loss.detach())
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=lr)
+
+        def train_dataloader(self) -> Any:
+            return DataLoader(self.samples, batch_size=1)
+
+    return TokenLM()
