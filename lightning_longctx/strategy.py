@@ -247,9 +247,8 @@ class UlyssesFPDTStrategy(DDPStrategy):
 
         cfg = self.sp_config
         for module in self.lightning_module.modules():
+            # modules() is pre-order: the outermost HF model is patched first; inner ones share its config
             if not isinstance(module, PreTrainedModel) or context_of(module) is not None:
-                continue
-            if any(context_of(m) is not None for m in module.modules() if m is not module):
                 continue
             enable_sequence_parallel(
                 module,
