@@ -86,17 +86,7 @@ def _worker(args: argparse.Namespace) -> None:
     rank = int(os.environ.get("RANK", "0"))
     cuda = args.device == "cuda"
 
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, args.vocab, (1, args.seq_len), generator=g)
-    module_kw = dict(vocab=args.vocab, hidden=args.hidden, intermediate=args.intermediate, layers=args.layers)
-    make_module = functools.partial(
-        token_lm_module,
-        **module_kw,
-        heads=args.heads,
-        samples=ids,
-        lr=0.1,
-        max_positions=max(args.seq_len, 2048),
-    )
+    make_module = functools.partial(token_lm_module, args, num_samples=1, lr=0.1)
 
     class StepMemory(L.Callback):
         """Baseline right before the step, peak right after it (the SGD step included)."""

@@ -54,17 +54,7 @@ def _worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     trim = None if args.no_trim else _malloc_trim()
 
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, args.vocab, (args.steps, args.seq_len), generator=g)
-    module_kw = dict(vocab=args.vocab, hidden=args.hidden, intermediate=args.intermediate, layers=args.layers)
-    make_module = functools.partial(
-        token_lm_module,
-        **module_kw,
-        heads=args.heads,
-        samples=ids,
-        lr=0.05,
-        max_positions=max(args.seq_len, 2048),
-    )
+    make_module = functools.partial(token_lm_module, args, num_samples=args.steps, lr=0.05)
 
     class Recorder(L.Callback):
         def __init__(self) -> None:

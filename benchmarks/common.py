@@ -236,19 +236,11 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> s
     return "\n".join(lines)
 
 
-def token_lm_module(
-    *,
-    vocab: int,
-    hidden: int,
-    intermediate: int,
-    layers: int,
-    heads: int,
-    samples: Sequence[torch.Tensor],
-    lr: float,
-    max_positions: int,
-) -> Any:
-    """A LightningModule training a seeded Llama (MHA, untied head, SDPA) with SGD on ``samples``
-    (each ``(seq,)`` token ids, used as their own labels), one sample per step. Remembers the last loss."""
+def token_lm_module(args: Any, *, num_samples: int, lr: float) -> Any:
+    """A LightningModule training a seeded Llama (MHA, untied head, SDPA) with SGD, one sample per step.
+
+    ``args`` carries ``vocab, hidden, intermediate, layers, heads, seq_len``; the ``num_samples``
+    random sequences (seed 1) are their own labels. The module remembers the last loss."""
     import lightning as L
     from torch.utils.data import DataLoader
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -258,18 +250,20 @@ def token_lm_module(
             super().__init__()
             torch.manual_seed(0)
             config = LlamaConfig(
-                vocab_size=vocab,
-                hidden_size=hidden,
-                intermediate_size=intermediate,
-                num_hidden_layers=layers,
-                num_attention_heads=heads,
-                num_key_value_heads=heads,
-                max_position_embeddings=max_positions,
+                vocab_size=args.vocab,
+                hidden_size=args.hidden,
+                intermediate_size=args.intermediate,
+                num_hidden_layers=args.layers,
+                num_attention_heads=args.heads,
+                num_key_value_heads=args.heads,
+                max_position_embeddings=max(args.seq_len, 2048),
                 tie_word_embeddings=False,
                 attn_implementation="sdpa",
             )
             self.model = LlamaForCausalLM(config).float()
-            self.samples = [{"input_ids": x, "labels": x.clone()} for x in samples]
+            g = torch.Generator().manual_seed(1)
+            ids = torch.randint(1, args.vocab, (num_samples, args.seq_len), generator=g)
+            self.samples = [{"input_ids": x, "labels": x.clone()} for x in ids]
             self.loss = float("nan")
 
         def training_step(self, batch: dict, batch_idx: int) -> Any:
