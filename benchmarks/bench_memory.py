@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import environment, format_table, free_port, token_lm_module, write_json
+from common import child_env, environment, format_table, free_port, launch_cmd, token_lm_module, write_json
 
 MODES = ("single", "ulysses", "fpdt", "fpdt_offload")
 MIB = float(1 << 20)
@@ -153,16 +153,6 @@ def _worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------------------
-def _clean_env(threads: int) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("TORCHELASTIC", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_", "SLURM_"))
-    }
-    env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-    return env
-
-
 def available_bytes() -> int:
     """MemAvailable from /proc/meminfo (what can still be allocated without swapping)."""
     with open("/proc/meminfo") as f:
@@ -241,21 +231,10 @@ def _launch_forkserver(args: argparse.Namespace, world: int) -> tuple[bool, str]
 
 
 def _launch_torchrun(args: argparse.Namespace, world: int) -> tuple[bool, str]:
-    worker = [str(Path(__file__).resolve()), "--worker", *_worker_flags(args)]
-    if world == 1:
-        cmd = [sys.executable, *worker]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={world}",
-            *worker,
-        ]
+    cmd = launch_cmd(__file__, world, "--worker", *_worker_flags(args))
     try:
         proc = subprocess.run(
-            cmd, env=_clean_env(args.threads), capture_output=True, text=True, timeout=args.timeout
+            cmd, env=child_env(args.threads), capture_output=True, text=True, timeout=args.timeout
         )
     except subprocess.TimeoutExpired:
         return False, f"timed out after {args.timeout:.0f}s"

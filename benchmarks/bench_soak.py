@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import environment, format_table, token_lm_module, write_json
+from common import child_env, environment, format_table, launch_cmd, token_lm_module, write_json
 
 MIB = float(1 << 20)
 HERE = Path(__file__).resolve().parent
@@ -204,26 +203,17 @@ def main() -> int:
         "heads",
     )
     flags = {"--" + name.replace("_", "-"): getattr(args, name) for name in names}
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("TORCHELASTIC", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_", "SLURM_"))
-    }
-    env.update(OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    env = child_env(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench_soak_") as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={args.world_size}",
-            str(Path(__file__).resolve()),
+        cmd = launch_cmd(
+            __file__,
+            args.world_size,
             "--worker",
             "--result-dir",
             tmp,
             *(s for k, v in flags.items() for s in (k, str(v))),
             *(["--no-trim"] if args.no_trim else []),
-        ]
+        )
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         wall = time.perf_counter() - t0

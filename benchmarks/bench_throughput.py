@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import environment, format_table, median, write_json
+from common import child_env, environment, format_table, launch_cmd, median, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("single", "ulysses", "fpdt", "fpdt_offload")
@@ -174,19 +174,6 @@ def _worker(cfg: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _child_env(threads: int) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(
-            ("SLURM_", "TORCHELASTIC", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_", "GROUP_")
-        )
-    }
-    env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
 def plan_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     """(mode, N, chunk) of every run, in the order they run."""
     runs = []
@@ -237,17 +224,14 @@ def launch(
             "activation_checkpointing": args.activation_checkpointing,
             "result_file": str(result_file),
         }
-        cmd = [sys.executable]
-        if sp:
-            cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world_size}"]
-        cmd += [str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
+        cmd = launch_cmd(__file__, args.world_size, "--worker", json.dumps(cfg), torchrun=sp)
         error, tail, done = None, "", []
         log_path = Path(tmp) / "launch.log"
         with open(log_path, "w") as log:
             proc = subprocess.Popen(  # own session: a timeout kills torchrun AND its workers
                 cmd,
                 cwd=ROOT,
-                env=_child_env(args.threads),
+                env=child_env(args.threads),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -278,3 +278,24 @@ def token_lm_module(args: Any, *, num_samples: int, lr: float) -> Any:
             return DataLoader(self.samples, batch_size=1)
 
     return TokenLM()
+
+
+def child_env(threads: int) -> dict[str, str]:
+    """Environment for a launched benchmark job: no inherited launcher/cluster variables (a stray
+    RANK or SLURM_* would make Lightning join the wrong job), ``threads`` OpenMP threads, the repo on
+    ``PYTHONPATH``."""
+    launcher = ("TORCHELASTIC", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_", "GROUP_", "SLURM_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+def launch_cmd(script: str | Path, world: int, *script_args: str, torchrun: bool | None = None) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc_per_node=world script ...``, or plain
+    ``python script ...`` (default: torchrun for more than one process)."""
+    cmd = [sys.executable]
+    if world > 1 if torchrun is None else torchrun:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    return [*cmd, str(Path(script).resolve()), *script_args]
