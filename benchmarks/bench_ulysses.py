@@ -107,7 +107,7 @@ def _no_attention() -> Iterator[None]:
     from lightning_longctx.attention.kernels import KERNELS, AttnOut, Kernel
 
     saved = KERNELS["sdpa"]
-    KERNELS["sdpa"] = Kernel(lambda q, k, v, **_: AttnOut(q + k + v, None), False, lambda: True)
+    KERNELS["sdpa"] = Kernel(lambda q, k, v, **_: AttnOut(q + k + v, None), lambda: True)
     try:
         yield
     finally:
@@ -119,7 +119,7 @@ def _bench_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     # process never needs.
     from lightning_longctx.attention.kernels import KERNELS, MaskSpec
     from lightning_longctx.attention.ulysses import ulysses_attention
-    from lightning_longctx.comm import COMM_STATS
+    from lightning_longctx.comm import count_all_to_all
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ds_cls, ds_status = _load_deepspeed(cfg["deepspeed"])
@@ -159,13 +159,12 @@ def _bench_rank(cfg: dict[str, Any]) -> dict[str, Any]:
 
         outs = {}
         for name, step in steps.items():
-            COMM_STATS.reset()
-            with AllToAllBytes() as meter:
+            with count_all_to_all() as count, AllToAllBytes() as meter:
                 outs[name] = step()
             row[f"{name}_bytes"] = meter.bytes_sent
             row[f"{name}_a2a_calls"] = meter.calls
             if name == "ours":
-                row["ours_comm_stats_bytes"] = COMM_STATS.bytes_sent
+                row["ours_comm_stats_bytes"] = count.bytes_sent
         if "deepspeed" in outs:
             (o1, g1), (o2, g2) = outs["ours"], outs["deepspeed"]
             row["diff_out"] = max_over_ranks((o1 - o2).abs().max().item())
@@ -319,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             if ratio is not None and abs(ratio - 1.0) > 1e-9:
                 failures.append(f"P={r['P']} N={r['N']}: {name} bytes/formula = {ratio}")
         if r["ours_comm_stats_bytes_per_rank"] != r["ours_bytes_per_rank"]:
-            failures.append(f"P={r['P']} N={r['N']}: COMM_STATS disagrees with the all-to-all meter")
+            failures.append(f"P={r['P']} N={r['N']}: count_all_to_all() disagrees with the all-to-all meter")
         for key in ("diff_out", "diff_grad"):
             if r.get(key) is not None and r[key] > args.atol:
                 failures.append(

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import lightning_longctx
-from lightning_longctx.data import IGNORE_INDEX, RecallAccuracy, RecallDataModule
+from lightning_longctx.data import RecallAccuracy, RecallDataModule
+from lightning_longctx.sharding import shift_labels
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,10 +130,7 @@ class GPT(nn.Module):
 
 def shift_labels_of(batch: dict[str, Tensor]) -> Tensor:
     """The strategy's pre-shifted ``shift_labels``, or, for an unsharded batch, ``labels`` shifted here."""
-    if "shift_labels" in batch:
-        return batch["shift_labels"]
-    labels = batch["labels"]
-    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+    return batch["shift_labels"] if "shift_labels" in batch else shift_labels(batch["labels"])
 
 
 class NanoGPTModule(L.LightningModule):

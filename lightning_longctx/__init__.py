@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_longctx import callbacks
 from lightning_longctx.attention import fpdt_attention, ulysses_attention
 from lightning_longctx.chunked_loss import chunked_lm_head_cross_entropy
-from lightning_longctx.integrations.transformers import enable_sequence_parallel
+from lightning_longctx.integrations.transformers import disable_sequence_parallel, enable_sequence_parallel
 from lightning_longctx.loss import sequence_parallel_cross_entropy
 from lightning_longctx.sharding import gather_sequence, shard_batch, shard_sequence
 from lightning_longctx.strategy import UlyssesFPDTStrategy
@@ -27,6 +27,7 @@ __all__ = [
     "__version__",
     "callbacks",
     "chunked_lm_head_cross_entropy",
+    "disable_sequence_parallel",
     "enable_sequence_parallel",
     "fpdt_attention",
     "gather_sequence",

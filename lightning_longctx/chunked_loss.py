@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from lightning_longctx.comm import Group, all_reduce_sum_identity_grad
 from lightning_longctx.loss import global_valid_count
+from lightning_longctx.sharding import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def chunked_lm_head_cross_entropy(
     bias: torch.Tensor | None = None,
     group: Group = None,
     chunk_size: int = 1024,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     logit_scale: float | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:

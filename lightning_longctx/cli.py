@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 import lightning_longctx  # noqa: F401  (registers the strategy names before the Trainer parses them)
 from lightning_longctx import slurm
+from lightning_longctx.callbacks.progress import step_aware_progress_bar
 
 __all__ = ["LongCtxCLI", "main"]
 
@@ -31,11 +34,22 @@ DEFAULT_MODEL = "lightning_longctx.models.CausalLM"
 
 
 class LongCtxCLI(LightningCLI):
-    """LightningCLI with ``CausalLM`` as the default ``--model`` class."""
+    """LightningCLI with ``CausalLM`` as the default ``--model`` class and a progress bar that reads
+    right for step-based runs ("Epoch 0" and steps up to ``max_steps``, not Lightning's "Epoch 0/-2")."""
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
+
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        config = self.config_init.get(str(self.subcommand), self.config_init).get("trainer", {})
+        callbacks = list(kwargs.get("callbacks", config.get("callbacks")) or [])
+        if config.get("enable_progress_bar", True) is not False and not any(
+            isinstance(c, ProgressBar) for c in callbacks
+        ):
+            kwargs["callbacks"] = [*callbacks, step_aware_progress_bar()]
+        return super().instantiate_trainer(**kwargs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,6 +11,9 @@ the first ``h % P`` ranks own one head more (``all_to_all_single`` with uneven s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,22 +35,35 @@ def head_split(num_heads: int, world: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(world)]
 
 
-class CommStats:
-    """Bytes this process sent to OTHER ranks through all-to-alls (its own block is not counted).
+@dataclass
+class AllToAllCount:
+    """All-to-alls run while a :func:`count_all_to_all` block was open, and the bytes this process sent
+    to OTHER ranks through them (its own block is not counted)."""
 
-    A plain counter for benchmarks and tests: ``COMM_STATS.reset()``, run, read ``bytes_sent``.
+    calls: int = 0
+    bytes_sent: int = 0
+
+
+#: Counters of the open :func:`count_all_to_all` blocks; empty (nothing counted) unless one is open.
+_OPEN_COUNTS: list[AllToAllCount] = []
+
+
+@contextmanager
+def count_all_to_all() -> Iterator[AllToAllCount]:
+    """Count the all-to-alls this process runs inside the block (blocks may nest; each counts its own).
+
+    Costs nothing outside such a block. The strategy's first-step guardrail and the benchmarks use it::
+
+        with count_all_to_all() as count:
+            loss.backward()
+        count.calls, count.bytes_sent
     """
-
-    def __init__(self) -> None:
-        self.bytes_sent = 0
-        self.calls = 0
-
-    def reset(self) -> None:
-        self.bytes_sent = 0
-        self.calls = 0
-
-
-COMM_STATS = CommStats()
+    count = AllToAllCount()
+    _OPEN_COUNTS.append(count)
+    try:
+        yield count
+    finally:
+        _OPEN_COUNTS.remove(count)
 
 
 def _all_to_all(
@@ -56,9 +72,12 @@ def _all_to_all(
     """``all_to_all_single`` on FLAT buffers; splits are element counts (gloo and NCCL accept uneven
     ones). Inputs must be contiguous: a permuted ``empty_like`` silently produced garbage."""
     dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
-    rank, _ = group_rank_size(group)
-    COMM_STATS.bytes_sent += (sum(in_splits) - in_splits[rank]) * inp.element_size()
-    COMM_STATS.calls += 1
+    if _OPEN_COUNTS:
+        rank, _ = group_rank_size(group)
+        sent = (sum(in_splits) - in_splits[rank]) * inp.element_size()
+        for count in _OPEN_COUNTS:
+            count.calls += 1
+            count.bytes_sent += sent
     return out
 
 
@@ -118,6 +137,17 @@ class _HeadToSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _seq_to_head(grad, ctx.group), None, None
+
+
+def seq_to_head_no_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """:func:`seq_to_head` outside autograd, for code with its own backward (FPDT): ``(b, s, h, d)`` ->
+    ``(b, P*s, h_r, d)``."""
+    return x if group_rank_size(group)[1] == 1 else _seq_to_head(x, group)
+
+
+def head_to_seq_no_grad(x: torch.Tensor, num_heads: int, group: Group = None) -> torch.Tensor:
+    """:func:`head_to_seq` outside autograd: ``(b, P*s, h_r, d)`` -> ``(b, s, num_heads, d)``."""
+    return x if group_rank_size(group)[1] == 1 else _head_to_seq(x, num_heads, group)
 
 
 def seq_to_head(x: torch.Tensor, group: Group = None) -> torch.Tensor:

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-IGNORE_INDEX = -100
+from lightning_longctx.sharding import IGNORE_INDEX
 
 __all__ = [
     "ByteTokenizer",

@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from lightning_longctx.comm import Group, all_reduce_no_grad, all_reduce_sum_identity_grad
+from lightning_longctx.sharding import IGNORE_INDEX
 
 
 def global_valid_count(
-    shift_labels: torch.Tensor, *, group: Group = None, ignore_index: int = -100
+    shift_labels: torch.Tensor, *, group: Group = None, ignore_index: int = IGNORE_INDEX
 ) -> torch.Tensor:
     """Number of non-ignored targets over the whole SP group (a 0-dim int64 tensor, no autograd)."""
     return all_reduce_no_grad((shift_labels != ignore_index).sum(), group)
@@ -20,7 +21,7 @@ def sequence_parallel_cross_entropy(
     shift_labels: torch.Tensor,
     *,
     group: Group = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """Mean cross-entropy over ALL valid targets of the sequence-parallel group, on every rank.
 

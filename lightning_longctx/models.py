@@ -20,9 +20,10 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_longctx.data import IGNORE_INDEX, RecallAccuracy
+from lightning_longctx.data import RecallAccuracy
 from lightning_longctx.integrations.transformers import enable_activation_checkpointing
 from lightning_longctx.loss import sequence_parallel_cross_entropy
+from lightning_longctx.sharding import IGNORE_INDEX, shift_labels
 
 __all__ = ["CausalLM", "warmup_cosine"]
 
@@ -43,11 +44,8 @@ def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int | None, min_
 
 def _shifted_labels(batch: dict[str, Tensor]) -> Tensor:
     """``(b, s)`` targets aligned with the logits: the strategy's pre-shifted ``shift_labels`` of
-    this rank's shard, or (unsharded batch) ``labels[:, 1:]`` padded with ``-100``."""
-    if "shift_labels" in batch:
-        return batch["shift_labels"]
-    labels = batch["labels"]
-    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+    this rank's shard, or (unsharded batch) ``labels`` shifted here."""
+    return batch["shift_labels"] if "shift_labels" in batch else shift_labels(batch["labels"])
 
 
 class CausalLM(L.LightningModule):

@@ -17,6 +17,9 @@ import torch
 
 from lightning_longctx.comm import Group, all_gather_no_grad, group_rank_size
 
+#: The label of a token that is not trained on (PyTorch's and Hugging Face's convention).
+IGNORE_INDEX = -100
+
 #: Keys of a batch dict that carry a sequence dimension (dim 1) and are sharded.
 SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "token_type_ids")
 
@@ -69,6 +72,13 @@ def gather_sequence(
     return parts.flatten(dim, dim + 2).contiguous()
 
 
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``(b, s)`` targets aligned with the logits: ``shift[t] = labels[t+1]``, the last is ``ignore_index``.
+
+    Done on the WHOLE sequence before it is cut, so no target is lost at a shard edge."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], dim=1)
+
+
 def _pad(x: torch.Tensor, pad: int, value: int | float) -> torch.Tensor:
     if pad == 0:
         return x
@@ -100,7 +110,7 @@ def shard_batch(
     *,
     group: Group = None,
     chunk_size: int | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     pad_token_id: int = 0,
 ) -> dict[str, Any]:
     """This rank's slice of a batch dict, with labels shifted BEFORE slicing and global positions.
@@ -146,8 +156,7 @@ def shard_batch(
         seqs[key] = val
 
     if "shift_labels" not in seqs and "labels" in seqs:
-        labels = seqs["labels"]
-        seqs["shift_labels"] = torch.cat([labels[:, 1:], labels.new_full((b, 1), ignore_index)], dim=1)
+        seqs["shift_labels"] = shift_labels(seqs["labels"], ignore_index)
     if "shift_labels" in seqs:
         seqs["labels"] = seqs["shift_labels"]
     pos = seqs.get("position_ids")

@@ -16,7 +16,11 @@ and checkpoints stay plain full state dicts that load into the unpatched HF mode
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import inspect
+import textwrap
+import typing
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -25,11 +29,20 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from transformers import PreTrainedModel
 from typing_extensions import override
 
-from lightning_longctx.comm import COMM_STATS, all_gather_object
+from lightning_longctx.comm import all_gather_object, count_all_to_all
+from lightning_longctx.fsdp import FSDP2Sharding
+from lightning_longctx.integrations.transformers import (
+    SequenceParallelContext,
+    context_of,
+    disable_sequence_parallel,
+    enable_activation_checkpointing,
+    enable_sequence_parallel,
+)
 from lightning_longctx.mesh import ParallelLayout, build_device_mesh
-from lightning_longctx.sharding import shard_batch
+from lightning_longctx.sharding import IGNORE_INDEX, shard_batch
 
 #: Tokens per chunk per rank of the "ulysses_fpdt" preset.
 DEFAULT_FPDT_CHUNK_SIZE = 4096
@@ -38,7 +51,27 @@ SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-tru
 
 @dataclass(frozen=True, kw_only=True)
 class SequenceParallelConfig:
-    """The sequence-parallel settings of the strategy, validated once."""
+    """The sequence-parallel settings, validated once. They are written only here: the fields are the
+    keyword arguments of :class:`UlyssesFPDTStrategy` (its signature, which LightningCLI reads, and its
+    docstring are derived from this class).
+
+    Args:
+        sequence_parallel_size: ranks that share one sequence; ``"auto"`` = all devices of a node.
+            Must divide ``num_nodes * devices``; the rest is data parallelism.
+        fpdt_chunk_size: tokens per FPDT chunk per rank; ``None`` = plain Ulysses. Short sequences use
+            one chunk of their local length.
+        offload: keep FPDT's cold key/value chunks and saved activations in host memory; ``"auto"`` =
+            on when training on CUDA.
+        attention_backend: local kernel, ``"auto" | "flash" | "sdpa" | "math"``.
+        data_parallel: ``"ddp"`` (replicated parameters, DDP all-reduce over dp x sp) or ``"fsdp"``
+            (FSDP2 ``fully_shard`` of every transformer block and of each HF model over all dp x sp
+            ranks; checkpoints hold full, unsharded state dicts).
+        activation_checkpointing: enable HF gradient checkpointing (non-reentrant) on patched models.
+        mlp_chunk_size: tokens per chunk of the FPDT-tiled MLP (default: ``fpdt_chunk_size``).
+        loss_chunk_size: tokens per chunk of FPDT's chunked lm_head + loss (default: ``fpdt_chunk_size``).
+        pad_token_id: token that pads sequences whose length does not divide.
+        ignore_index: label of tokens without a loss (padding gets it too).
+    """
 
     sequence_parallel_size: int | Literal["auto"] = "auto"
     fpdt_chunk_size: int | None = None
@@ -49,7 +82,7 @@ class SequenceParallelConfig:
     mlp_chunk_size: int | None = None
     loss_chunk_size: int | None = None
     pad_token_id: int = 0
-    ignore_index: int = -100
+    ignore_index: int = IGNORE_INDEX
 
     def __post_init__(self) -> None:
         sp = self.sequence_parallel_size
@@ -57,10 +90,10 @@ class SequenceParallelConfig:
             raise ValueError(
                 f"sequence_parallel_size={sp!r}: use 'auto' (all devices of a node) or a positive int"
             )
-        if self.fpdt_chunk_size is not None and self.fpdt_chunk_size < 1:
-            raise ValueError(
-                f"fpdt_chunk_size={self.fpdt_chunk_size}: use None (plain Ulysses) or a positive token count"
-            )
+        for name in ("fpdt_chunk_size", "mlp_chunk_size", "loss_chunk_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}: use None (the default) or a positive token count")
         if self.offload not in (True, False, "auto"):
             raise ValueError(
                 f"offload={self.offload!r}: use True, False or 'auto' (on when training on CUDA)"
@@ -78,61 +111,65 @@ class SequenceParallelConfig:
         return "ulysses" if self.fpdt_chunk_size is None else "fpdt"
 
 
+def _config_arguments(config_cls: type) -> Any:
+    """Class decorator: the fields of ``config_cls`` become explicit keyword arguments of the class's
+    ``__init__`` (for ``inspect.signature``, hence LightningCLI and ``help()``), in field order and
+    before the class's own, and its ``{config_args}`` docstring placeholder becomes their docs."""
+    hints = typing.get_type_hints(config_cls)  # real types: LightningCLI validates values with them
+    fields = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+        for f in dataclasses.fields(config_cls)
+    ]
+    doc = inspect.getdoc(config_cls) or ""
+    args = textwrap.dedent(doc[doc.index("Args:\n") + len("Args:\n") :]).strip()
+
+    def apply(cls: type) -> type:
+        sig = inspect.signature(cls.__init__)
+        own_hints = typing.get_type_hints(cls.__init__)
+        self_param, *own = (
+            p.replace(annotation=own_hints.get(p.name, p.annotation)) for p in sig.parameters.values()
+        )
+        var_kw = [p for p in own if p.kind is p.VAR_KEYWORD]
+        own = [p for p in own if p.kind is not p.VAR_KEYWORD]
+        cls.__init__.__signature__ = sig.replace(parameters=[self_param, *fields, *own, *var_kw])
+        indent = " " * 8
+        cls.__doc__ = (cls.__doc__ or "").replace("{config_args}", textwrap.indent(args, indent).lstrip())
+        return cls
+
+    return apply
+
+
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(SequenceParallelConfig))
+
+
+@_config_arguments(SequenceParallelConfig)
 class UlyssesFPDTStrategy(DDPStrategy):
     """Sequence parallelism (Ulysses, optionally FPDT-chunked) x data parallelism for Lightning.
 
     Args:
-        sequence_parallel_size: ranks that share one sequence; ``"auto"`` = all devices of a node.
-            Must divide ``num_nodes * devices``; the rest is data parallelism.
-        fpdt_chunk_size: tokens per FPDT chunk per rank; ``None`` = plain Ulysses. Short sequences use
-            one chunk of their local length.
-        offload: keep FPDT's cold key/value chunks and saved activations in host memory; ``"auto"`` =
-            on when training on CUDA.
-        attention_backend: local kernel, ``"auto" | "flash" | "sdpa" | "math"``.
-        data_parallel: ``"ddp"`` (replicated parameters, DDP all-reduce over dp x sp) or ``"fsdp"`` (FSDP2
-            ``fully_shard`` of every transformer block and of each HF model over all dp x sp ranks;
-            checkpoints hold full, unsharded state dicts).
-        activation_checkpointing: enable HF gradient checkpointing (non-reentrant) on patched models.
-        mlp_chunk_size / loss_chunk_size: FPDT tiling of the MLP and of lm_head + loss (default: chunk size).
-        pad_token_id / ignore_index: used when padding sequences that don't divide.
-        process_group_backend, timeout: as in ``DDPStrategy``; other keyword arguments go to DDP.
+        {config_args}
+        process_group_backend: as in ``DDPStrategy`` (``"nccl"`` on CUDA, ``"gloo"`` on CPU by default).
+        timeout: as in ``DDPStrategy``.
+        kwargs: the settings above, and anything else goes to ``DDPStrategy`` (e.g. DDP's
+            ``find_unused_parameters``).
     """
 
     strategy_name = "ulysses_fpdt"
 
     def __init__(
         self,
-        sequence_parallel_size: int | Literal["auto"] = "auto",
-        fpdt_chunk_size: int | None = None,
-        offload: bool | Literal["auto"] = False,
-        attention_backend: str = "auto",
-        data_parallel: Literal["ddp", "fsdp"] = "ddp",
-        activation_checkpointing: bool = False,
-        mlp_chunk_size: int | None = None,
-        loss_chunk_size: int | None = None,
-        pad_token_id: int = 0,
-        ignore_index: int = -100,
+        *,
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
         **kwargs: Any,
     ) -> None:
+        settings = {name: kwargs.pop(name) for name in _CONFIG_FIELDS if name in kwargs}
+        self.sp_config = SequenceParallelConfig(**settings)  # bad settings fail before any DDP set-up
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
-        self.sp_config = SequenceParallelConfig(
-            sequence_parallel_size=sequence_parallel_size,
-            fpdt_chunk_size=fpdt_chunk_size,
-            offload=offload,
-            attention_backend=attention_backend,
-            data_parallel=data_parallel,
-            activation_checkpointing=activation_checkpointing,
-            mlp_chunk_size=mlp_chunk_size,
-            loss_chunk_size=loss_chunk_size,
-            pad_token_id=pad_token_id,
-            ignore_index=ignore_index,
-        )
         self._layout: ParallelLayout | None = None
         self._mesh: Any = None
-        self._fsdp_mesh: Any = None
-        self._contexts: list[Any] = []
+        self._fsdp: FSDP2Sharding | None = None
+        self._contexts: list[SequenceParallelContext] = []
         self._batches_sharded = 0
         self._verified = False
         self._checked_batch = False
@@ -199,12 +236,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
             )
         self._mesh = build_device_mesh(self._layout, self.root_device.type)
         if self.sp_config.data_parallel == "fsdp":
-            from torch.distributed.device_mesh import init_device_mesh
-
-            # FSDP2 shards over every rank: with the sp-scaled loss its average over dp x sp is exact.
-            self._fsdp_mesh = init_device_mesh(
-                self.root_device.type, (self.world_size,), mesh_dim_names=("dp_sp",)
-            )
+            self._fsdp = FSDP2Sharding(self.root_device.type, self.world_size)
         rank_zero_info(f"UlyssesFPDTStrategy: {self._layout}, mode={self.sp_config.mode}")
 
     @override
@@ -235,16 +267,6 @@ class UlyssesFPDTStrategy(DDPStrategy):
         super().setup(trainer)
 
     def _patch_models(self) -> None:
-        try:
-            from transformers import PreTrainedModel
-        except ImportError:  # pragma: no cover - transformers is a dependency
-            return
-        from lightning_longctx.integrations.transformers import (
-            context_of,
-            enable_activation_checkpointing,
-            enable_sequence_parallel,
-        )
-
         cfg = self.sp_config
         for module in self.lightning_module.modules():
             # modules() is pre-order: the outermost HF model is patched first; inner ones share its config
@@ -264,86 +286,44 @@ class UlyssesFPDTStrategy(DDPStrategy):
                 enable_activation_checkpointing(module)
             self._contexts.append(context_of(module))
 
-    @property
-    def _fsdp(self) -> bool:
-        return self.sp_config.data_parallel == "fsdp"
+    @override
+    def teardown(self) -> None:
+        # The models leave the strategy as they came: plain attention, loss and forward again.
+        for module in self.lightning_module.modules() if self.lightning_module is not None else ():
+            if isinstance(module, PreTrainedModel):
+                disable_sequence_parallel(module)
+        self._contexts.clear()
+        super().teardown()
 
+    # ---- DDP, or FSDP2 through its own object (fsdp.py) ----
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        if not self._fsdp:
-            return super()._setup_model(model)
-        try:
-            from torch.distributed.fsdp import fully_shard
-        except ImportError:  # torch < 2.6
-            from torch.distributed._composable.fsdp import fully_shard
-        from transformers import PreTrainedModel
-
-        roots = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
-        roots = [m for m in roots if not any(m is not r and m in set(r.modules()) for r in roots)]
-        covered = {id(p) for r in roots for p in r.parameters()}
-        stray = [n for n, p in model.named_parameters() if id(p) not in covered]
-        if not roots or stray:
-            raise ValueError(
-                "data_parallel='fsdp' shards transformers models; parameters outside them "
-                f"({stray[:3] or 'no transformers model found'}) are not handled. Use data_parallel='ddp'"
-            )
-        for root in roots:
-            block_names = set(getattr(root, "_no_split_modules", None) or [])
-            for module in root.modules():
-                if type(module).__name__ in block_names:
-                    fully_shard(module, mesh=self._fsdp_mesh)
-            fully_shard(root, mesh=self._fsdp_mesh)
-        return model
-
-    def _state_dict_options(self, **kw: Any) -> Any:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        return StateDictOptions(full_state_dict=True, cpu_offload=True, **kw)
+        return super()._setup_model(model) if self._fsdp is None else self._fsdp.shard(model)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if not self._fsdp:
+        if self._fsdp is None:
             return super().lightning_module_state_dict()
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(self.lightning_module, options=self._state_dict_options())  # collective
+        return self._fsdp.model_state_dict(self.lightning_module)  # a collective
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if not self._fsdp:
+        if self._fsdp is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        set_model_state_dict(
-            self.lightning_module, checkpoint["state_dict"], options=self._state_dict_options(strict=strict)
-        )
-        return None
+        return self._fsdp.load_model_state_dict(self.lightning_module, checkpoint["state_dict"], strict)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if not self._fsdp:
+        if self._fsdp is None:
             return super().optimizer_state(optimizer)
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        opt = getattr(optimizer, "_optimizer", optimizer)
-        return get_optimizer_state_dict(self.lightning_module, opt, options=self._state_dict_options())
+        return self._fsdp.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if not self._fsdp:
+        if self._fsdp is None:
             return super().load_optimizer_state_dict(checkpoint)
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if not state.get("state"):
-                # stateless optimizer (plain SGD, or no step yet): torch's loader needs a state tensor to
-                # find the device, so restore the hyper-parameters only.
-                for group, saved in zip(optimizer.param_groups, state["param_groups"]):
-                    group.update({k: v for k, v in saved.items() if k != "params"})
-                continue
-            set_optimizer_state_dict(
-                self.lightning_module, optimizer, state, options=self._state_dict_options()
-            )
+            self._fsdp.load_optimizer_state(self.lightning_module, optimizer, state)
         return None
 
     # ---- batches ----
@@ -362,10 +342,6 @@ class UlyssesFPDTStrategy(DDPStrategy):
             self._check_batch_across_ranks(ids)
         chunk = self.chunk_size_for(ids.shape[1]) if isinstance(ids, Tensor) else None
         self.current_chunk_size = chunk
-        for ctx in self._contexts:
-            ctx.chunk_size = chunk
-            ctx.mlp_chunk_size = self.sp_config.mlp_chunk_size or chunk
-            ctx.loss_chunk_size = self.sp_config.loss_chunk_size or chunk
         out = shard_batch(
             batch,
             group=self.sp_group,
@@ -414,9 +390,9 @@ class UlyssesFPDTStrategy(DDPStrategy):
             return super().training_step(*args, **kwargs)
         for ctx in self._contexts:
             ctx.attention_calls = 0
-        calls_before = COMM_STATS.calls
-        out = super().training_step(*args, **kwargs)
-        self._verify_first_step(COMM_STATS.calls - calls_before)
+        with count_all_to_all() as count:
+            out = super().training_step(*args, **kwargs)
+        self._verify_first_step(count.calls)
         self._verified = True
         return out
 

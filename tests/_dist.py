@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -86,18 +87,23 @@ class DistPool:
             box.put((fn, args, kwargs))
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
-        try:
-            for _ in range(self.world_size):
-                rank, ok, payload = self._outbox.get(timeout=RESULT_TIMEOUT_S)
-                (results if ok else errors)[rank] = payload
-                if errors:
-                    break
-        except queue.Empty:
-            self.broken = True
-            raise AssertionError(
-                f"{fn.__name__}: ranks {sorted(set(range(self.world_size)) - set(results))} gave no result "
-                f"within {RESULT_TIMEOUT_S:.0f}s (deadlock or crash)"
-            ) from None
+        deadline = time.monotonic() + RESULT_TIMEOUT_S
+        while len(results) + len(errors) < self.world_size and not errors:
+            try:
+                rank, ok, payload = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.broken = True
+                    missing = sorted(set(range(self.world_size)) - set(results))
+                    why = (
+                        f"ranks {dead} died"
+                        if dead
+                        else f"no result within {RESULT_TIMEOUT_S:.0f}s (deadlock?)"
+                    )
+                    raise AssertionError(f"{fn.__name__}: ranks {missing} gave no result: {why}") from None
+                continue
+            (results if ok else errors)[rank] = payload
         if errors:
             self.broken = True
             rank = min(errors)

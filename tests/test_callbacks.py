@@ -361,3 +361,66 @@ def test_sp2_tokens_counted_once_per_group(tmp_path: Path, dist_pool):
     for row in out[0]["perf"]:
         assert row["perf/tokens_per_sec_per_device"] == pytest.approx(row["perf/tokens_per_sec"] / 2)
         assert row["perf/mfu"] * 1e12 == pytest.approx(row["perf/tflops_per_device"] * 1e12)
+
+
+# --- every callback with its DEFAULT arguments, multi-process, fit then validate ----------------------
+class _TinyLlamaWithVal(_TinyLlama):
+    def validation_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("val/loss", loss, sync_dist=True, batch_size=BATCH)
+        return loss
+
+
+def _default_callbacks_on_rank(root: str, fpdt: bool, with_logger: bool) -> dict:
+    """MFUMonitor() and MemoryMonitor() as a user writes them (plot on, measured peak), sp=2."""
+    from lightning_longctx import UlyssesFPDTStrategy
+
+    rank = dist.get_rank()
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE="2", NODE_RANK="0")
+    mfu, mem = MFUMonitor(), MemoryMonitor()
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=UlyssesFPDTStrategy(sequence_parallel_size=2, fpdt_chunk_size=8 if fpdt else None),
+        max_steps=STEPS,
+        logger=CSVLogger(root) if with_logger else False,
+        default_root_dir=root,
+        log_every_n_steps=1,
+        callbacks=[mfu, mem],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
+    module = _TinyLlamaWithVal()
+    train, val = (DataLoader(_Tokens(n, SEQ), batch_size=BATCH) for n in (16, 4))
+    trainer.fit(module, train, val)
+    validated = trainer.validate(module, val, verbose=False)
+    return {
+        "png": Path(mem.plot_path).read_bytes()[:8] if mem.plot_path else None,
+        "plot_dir": os.path.dirname(mem.plot_path) if mem.plot_path else None,
+        "summary": mem.summary,
+        "steps": len(mem.history),
+        "val_loss": validated[0]["val/loss"],
+    }
+
+
+@pytest.mark.parametrize("with_logger", [True, False], ids=["logger", "no-logger"])
+@pytest.mark.parametrize("fpdt", [False, True], ids=["ulysses", "fpdt"])
+def test_default_callbacks_survive_multi_process_fit_and_validate(
+    tmp_path: Path, dist_pool, fpdt, with_logger
+):
+    """No collective under rank-zero-only code: MemoryMonitor's end-of-fit plot reads trainer.log_dir (a
+    broadcast under DDP) on every rank. Before the fix rank 1 returned early and rank 0 died in the
+    broadcast ("Connection closed by peer"; a hang on NCCL)."""
+    out = dist_pool(2).run(_default_callbacks_on_rank, str(tmp_path), fpdt, with_logger)
+    zero, one = out
+    assert zero["png"] == b"\x89PNG\r\n\x1a\n", "rank 0 wrote no memory plot"
+    expected_dir = (
+        os.path.join(str(tmp_path), "lightning_logs", "version_0") if with_logger else str(tmp_path)
+    )
+    assert zero["plot_dir"] == expected_dir
+    assert zero["summary"] is not None and "mem/host_rss_gib" in zero["summary"]
+    assert one["png"] is None and one["summary"] is None  # the summary and the plot are rank 0's job
+    assert zero["steps"] == one["steps"] == STEPS
+    assert zero["val_loss"] == pytest.approx(one["val_loss"]) and math.isfinite(zero["val_loss"])

@@ -10,10 +10,10 @@ import torch.distributed as dist
 from reference import packed_positions, reference_attention
 
 from lightning_longctx import gather_sequence, shard_sequence
+from lightning_longctx.attention.common import spread_kv_heads
 from lightning_longctx.attention.fpdt import fpdt_attention
-from lightning_longctx.attention.offload import OFFLOAD_STATS, offloaded_bytes
-from lightning_longctx.attention.ulysses import spread_kv_heads
-from lightning_longctx.comm import COMM_STATS
+from lightning_longctx.attention.offload import offloaded_bytes, track_offload_residency
+from lightning_longctx.comm import count_all_to_all
 
 N = 32  # global tokens; chunk_size c = N / (u * P)
 
@@ -98,8 +98,8 @@ def _offload_identical(name: str) -> dict:
     q, k, v, w, pos = _inputs(cfg, torch.float32)
     plain = _fpdt(cfg, q, k, v, w, pos, offload=False)
     assert offloaded_bytes() == 0
-    OFFLOAD_STATS.reset()
-    off = _fpdt(cfg, q, k, v, w, pos, offload=True)
+    with track_offload_residency() as residency:
+        off = _fpdt(cfg, q, k, v, w, pos, offload=True)
     after_backward = offloaded_bytes()
     # forward only, graph dropped without backward: the host buffers are given back too
     c = N // (cfg["u"] * dist.get_world_size())
@@ -118,8 +118,8 @@ def _offload_identical(name: str) -> dict:
         "after_backward": after_backward,
         "held": held,
         "after_drop": offloaded_bytes(),
-        "peak_k": OFFLOAD_STATS.peak_resident["k"],
-        "peak_q": OFFLOAD_STATS.peak_resident["q"],
+        "peak_k": residency.peak_resident["k"],
+        "peak_q": residency.peak_resident["q"],
     }
 
 
@@ -141,9 +141,9 @@ def _count_bytes(u: int) -> tuple[int, int]:
     b, h, d = 1, 4, 8
     c = N // (u * world)
     x = [torch.randn(b, N // world, h, d, requires_grad=True) for _ in range(3)]
-    COMM_STATS.reset()
-    fpdt_attention(*x, chunk_size=c).sum().backward()
-    return COMM_STATS.bytes_sent, COMM_STATS.calls
+    with count_all_to_all() as count:
+        fpdt_attention(*x, chunk_size=c).sum().backward()
+    return count.bytes_sent, count.calls
 
 
 @pytest.mark.parametrize("u", [1, 4])

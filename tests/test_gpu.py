@@ -22,7 +22,7 @@ from reference import reference_attention
 
 from lightning_longctx import chunked_lm_head_cross_entropy, enable_sequence_parallel, shard_batch, tile_mlp_
 from lightning_longctx.attention.fpdt import fpdt_attention
-from lightning_longctx.attention.offload import OFFLOAD_STATS, offloaded_bytes
+from lightning_longctx.attention.offload import offloaded_bytes, track_offload_residency
 from lightning_longctx.attention.ulysses import ulysses_attention
 
 ON_CPU = os.environ.get("LONGCTX_GPU_TESTS_ON_CPU") == "1"
@@ -127,15 +127,15 @@ def test_fpdt_offload_bit_identical_with_streams_and_pinned_memory(side_stream):
     with ctx:
         base = torch.cuda.memory_allocated() if CUDA else 0
         plain, mem_plain, host_plain, _ = _fpdt_step(q, k, v, w, offload=False, chunk=chunk)
-        OFFLOAD_STATS.reset()
-        off, mem_off, host_off, pinned = _fpdt_step(q, k, v, w, offload=True, chunk=chunk)
+        with track_offload_residency() as residency:
+            off, mem_off, host_off, pinned = _fpdt_step(q, k, v, w, offload=True, chunk=chunk)
     if CUDA:
         torch.cuda.synchronize()
     for a, b in zip(plain, off):
         assert torch.equal(a, b), "offload changed the result"
     assert host_plain == 0 and host_off > 0, (host_plain, host_off)
     assert offloaded_bytes() == 0, "host buffers not given back after backward"
-    assert 1 <= OFFLOAD_STATS.peak_resident["k"] <= 2, dict(OFFLOAD_STATS.peak_resident)  # double buffer
+    assert 1 <= residency.peak_resident["k"] <= 2, dict(residency.peak_resident)  # double buffer
     if CUDA:
         assert pinned is True, "offloaded chunks must live in pinned host memory"
         assert mem_off - base < mem_plain - base, (mem_off - base, mem_plain - base)

@@ -13,6 +13,7 @@ PUBLIC = {
     "__version__",
     "callbacks",
     "chunked_lm_head_cross_entropy",
+    "disable_sequence_parallel",
     "enable_sequence_parallel",
     "fpdt_attention",
     "gather_sequence",

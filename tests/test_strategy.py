@@ -11,6 +11,7 @@ import torch.distributed as dist
 from hf_models import HFModule, TokenDataset, reference_training, tiny_model
 
 from lightning_longctx import UlyssesFPDTStrategy
+from lightning_longctx.integrations.transformers import context_of
 
 SEQ = 24
 
@@ -49,6 +50,7 @@ def _fit(
         **(trainer_kwargs or {}),
     )
     trainer.fit(module)
+    assert context_of(module.model) is None, "the strategy must hand the model back plain after fit"
     # through the strategy: full tensors also when the parameters are FSDP2-sharded (a collective)
     state = {k.removeprefix("model."): v for k, v in trainer.strategy.lightning_module_state_dict().items()}
     return state, module.losses, trainer.strategy.sp_size
@@ -168,6 +170,29 @@ def test_registry_and_config_errors():
         UlyssesFPDTStrategy(data_parallel="zero3")
     with pytest.raises(ValueError, match="sequence_parallel_size=0"):
         UlyssesFPDTStrategy(sequence_parallel_size=0)
+    with pytest.raises(
+        ValueError, match=r"mlp_chunk_size=0: use None \(the default\) or a positive token count"
+    ):
+        UlyssesFPDTStrategy(fpdt_chunk_size=8, mlp_chunk_size=0)
+    with pytest.raises(ValueError, match="loss_chunk_size=-1"):
+        UlyssesFPDTStrategy(loss_chunk_size=-1)
+
+
+def test_settings_are_written_once_and_seen_by_the_cli():
+    """SequenceParallelConfig is the one source: the strategy's signature and docs are derived from it."""
+    import dataclasses
+    import inspect
+
+    from lightning_longctx.strategy import SequenceParallelConfig
+
+    params = inspect.signature(UlyssesFPDTStrategy).parameters
+    for field in dataclasses.fields(SequenceParallelConfig):
+        assert params[field.name].default == field.default, field.name
+        assert f"{field.name}: " in UlyssesFPDTStrategy.__doc__, f"{field.name} undocumented"
+    assert "{config_args}" not in UlyssesFPDTStrategy.__doc__
+    strategy = UlyssesFPDTStrategy(fpdt_chunk_size=8, pad_token_id=3, find_unused_parameters=True)
+    assert strategy.sp_config == SequenceParallelConfig(fpdt_chunk_size=8, pad_token_id=3)
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True}  # the rest goes to DDP
 
 
 # ---- guardrails ----

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from reference import packed_positions, reference_attention
 
 from lightning_longctx import gather_sequence, shard_sequence, ulysses_attention
-from lightning_longctx.comm import COMM_STATS
+from lightning_longctx.comm import count_all_to_all
 
 CASES = {
     "causal_mha": dict(h=4, h_kv=4),
@@ -79,10 +79,9 @@ def test_ulysses_sdpa_backend(dist_pool, world, name):
 def _count_bytes(b: int, n: int, h: int, d: int) -> tuple[int, int]:
     world = dist.get_world_size()
     x = [torch.randn(b, n // world, h, d, requires_grad=True) for _ in range(3)]
-    COMM_STATS.reset()
-    ulysses_attention(*x, backend="math").sum().backward()
-    fwd_bwd = COMM_STATS.bytes_sent
-    return fwd_bwd, COMM_STATS.calls
+    with count_all_to_all() as count:
+        ulysses_attention(*x, backend="math").sum().backward()
+    return count.bytes_sent, count.calls
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -24,20 +24,18 @@ from typing import Any
 
 import torch
 
-from lightning_longctx.attention.kernels import (
+from lightning_longctx.attention.common import (
     MaskSpec,
-    _compute_dtype,
-    block_backward,
-    block_forward,
+    check_qkv,
+    compute_dtype,
     default_scale,
     doc_ids,
     has_resets,
-    merge_blocks,
-    resolve_backend,
+    spread_kv_heads,
 )
+from lightning_longctx.attention.kernels import block_backward, block_forward, merge_blocks, resolve_backend
 from lightning_longctx.attention.offload import ChunkStore
-from lightning_longctx.attention.ulysses import check_qkv, spread_kv_heads
-from lightning_longctx.comm import Group, _head_to_seq, _seq_to_head, group_rank_size
+from lightning_longctx.comm import Group, group_rank_size, head_to_seq_no_grad, seq_to_head_no_grad
 from lightning_longctx.sharding import gather_sequence
 
 #: Backends FPDT accepts: its blocks need the log-sum-exp and a matching block backward, which the
@@ -127,7 +125,6 @@ class BlockPlan:
 @dataclass(frozen=True)
 class _Config:
     group: Group
-    world: int
     chunk_size: int
     scale: float
     plan: BlockPlan
@@ -135,13 +132,13 @@ class _Config:
 
 
 def _to_heads(x: torch.Tensor, cfg: _Config) -> torch.Tensor:
-    """(b, c, h, d) local chunk -> (b, P*c, h_r, d) global segment, my heads (no autograd)."""
-    return x if cfg.world == 1 else _seq_to_head(x, cfg.group)
+    """(b, c, h, d) local chunk -> (b, P*c, h_r, d) global segment, my heads."""
+    return seq_to_head_no_grad(x, cfg.group)
 
 
 def _to_seq(x: torch.Tensor, num_heads: int, cfg: _Config) -> torch.Tensor:
     """(b, P*c, h_r, d) -> (b, c, num_heads, d); inverse of :func:`_to_heads`."""
-    return x if cfg.world == 1 else _head_to_seq(x, num_heads, cfg.group)
+    return head_to_seq_no_grad(x, num_heads, cfg.group)
 
 
 class _FPDTAttention(torch.autograd.Function):
@@ -192,7 +189,7 @@ class _FPDTAttention(torch.autograd.Function):
             store = ctx.store
         else:
             store = ChunkStore.restore(ctx.keys, ctx.saved_tensors, grad.device)
-        ct = _compute_dtype(q_dtype)
+        ct = compute_dtype(q_dtype)
 
         # The access order of the whole backward, so each fetch is prefetched one step ahead.
         steps: list[tuple[tuple[str, int], ...]] = [(("out", i),) for i in range(u)]
@@ -340,5 +337,5 @@ def fpdt_attention(
         sliding_window=sliding_window,
         docs=docs,
     )
-    cfg = _Config(group, world, chunk_size, default_scale(d, softmax_scale), plan, offload)
+    cfg = _Config(group, chunk_size, default_scale(d, softmax_scale), plan, offload)
     return _FPDTAttention.apply(q, k, v, cfg)

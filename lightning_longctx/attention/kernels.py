@@ -3,7 +3,8 @@
 All kernels take ``bshd`` tensors: q ``(b, s_q, h, d)``, k/v ``(b, s_k, h_kv, d)`` with
 ``h % h_kv == 0`` (grouped-query attention is expanded inside the kernel) and a :class:`MaskSpec`.
 They return ``(out (b, s_q, h, d), lse)`` where ``lse`` is the fp32 log-sum-exp of the scaled
-scores ``(b, h, s_q)`` or ``None`` for kernels that cannot return it (SDPA).
+scores ``(b, h, s_q)``, or ``None`` where the kernel does not give it (SDPA; flash-attn's varlen
+path for packed documents). Ulysses uses ``out`` only; FPDT uses the math building blocks below.
 
 Backends: ``"flash"`` (flash-attn's public ``flash_attn_func``/``flash_attn_varlen_func``, CUDA,
 optional), ``"sdpa"`` (``torch.nn.functional.scaled_dot_product_attention``) and ``"math"`` (plain
@@ -18,82 +19,18 @@ output's LSE (``dS = P * (dP - delta)``), so blocks can be recomputed one pair a
 from __future__ import annotations
 
 import importlib.util
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class MaskSpec:
-    """Which (query, key) pairs may attend, for a block of queries against a block of keys.
-
-    ``q_start`` / ``k_start`` are the global token indices of the first query / key of the blocks
-    (causality and the sliding window compare global indices). ``q_doc`` ``(b, s_q)`` and ``k_doc``
-    ``(b, s_k)`` are document ids (packed sequences): tokens attend only within their document.
-    """
-
-    causal: bool = True
-    sliding_window: int | None = None
-    q_start: int = 0
-    k_start: int = 0
-    q_doc: torch.Tensor | None = None
-    k_doc: torch.Tensor | None = None
-
-    def dense(self, s_q: int, s_k: int, device: torch.device) -> torch.Tensor | None:
-        """Boolean ``(b or 1, s_q, s_k)`` mask of allowed pairs, or ``None`` when all are allowed."""
-        mask = None
-        if self.causal or self.sliding_window is not None:
-            qi = torch.arange(self.q_start, self.q_start + s_q, device=device)[:, None]
-            ki = torch.arange(self.k_start, self.k_start + s_k, device=device)[None, :]
-            if self.causal and self.k_start + s_k - 1 > self.q_start:
-                mask = ki <= qi
-            if (
-                self.sliding_window is not None
-                and self.q_start + s_q - 1 - self.k_start >= self.sliding_window
-            ):
-                window = ki > qi - self.sliding_window
-                mask = window if mask is None else mask & window
-            mask = None if mask is None else mask[None]
-        if self.q_doc is not None and self.k_doc is not None:
-            same = self.q_doc[:, :, None] == self.k_doc[:, None, :]
-            mask = same if mask is None else mask & same
-        return mask
-
-    def is_plain_causal(self, s_q: int, s_k: int) -> bool:
-        """True when the mask is exactly the usual square causal mask (SDPA/flash ``is_causal``)."""
-        return (
-            self.causal
-            and self.sliding_window is None
-            and self.q_doc is None
-            and self.q_start == self.k_start
-            and s_q == s_k
-        )
-
-
-def doc_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Document ids ``(b, s)`` from GLOBAL position ids ``(b, s)``: a position 0 after the first token
-    starts a new document (packed sequences)."""
-    starts = position_ids == 0
-    starts[:, 0] = True
-    return torch.cumsum(starts.to(torch.int32), dim=1)
-
-
-def has_resets(position_ids: torch.Tensor | None) -> bool:
-    """Whether ``position_ids`` packs more than one document (any 0 after the first token)."""
-    return position_ids is not None and bool((position_ids[:, 1:] == 0).any())
+from lightning_longctx.attention.common import MaskSpec, compute_dtype
 
 
 class AttnOut(NamedTuple):
     out: torch.Tensor
     lse: torch.Tensor | None
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _expand_kv(k: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -103,7 +40,7 @@ def _expand_kv(k: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
-    ct = _compute_dtype(q.dtype)
+    ct = compute_dtype(q.dtype)
     s = torch.einsum("bqhd,bkhd->bhqk", q.to(ct), k.to(ct)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
@@ -197,24 +134,23 @@ def flash_attention(
 
 class Kernel(NamedTuple):
     fn: Callable[..., AttnOut]
-    returns_lse: bool
     available: Callable[[], bool]
 
 
 KERNELS: dict[str, Kernel] = {
-    "flash": Kernel(flash_attention, True, _flash_available),
-    "sdpa": Kernel(sdpa_attention, False, lambda: True),
-    "math": Kernel(math_attention, True, lambda: True),
+    "flash": Kernel(flash_attention, _flash_available),
+    "sdpa": Kernel(sdpa_attention, lambda: True),
+    "math": Kernel(math_attention, lambda: True),
 }
 
 
-def resolve_backend(backend: str, *, need_lse: bool = False, softcap: float | None = None) -> Kernel:
-    """The kernel for ``backend`` ("auto" | "flash" | "sdpa" | "math"), checked against the call's needs."""
+def resolve_backend(backend: str, *, softcap: float | None = None) -> Kernel:
+    """The kernel for ``backend`` ("auto" | "flash" | "sdpa" | "math"); "auto" = the first available of
+    flash, sdpa, math that supports the call (SDPA cannot soft-cap)."""
     if backend == "auto":
         for name in ("flash", "sdpa", "math"):
-            kern = KERNELS[name]
-            if kern.available() and (kern.returns_lse or not need_lse) and (name != "sdpa" or not softcap):
-                return kern
+            if KERNELS[name].available() and (name != "sdpa" or not softcap):
+                return KERNELS[name]
     if backend not in KERNELS:
         raise ValueError(f"attention backend {backend!r} is unknown; choose one of {['auto', *KERNELS]}")
     kern = KERNELS[backend]
@@ -223,15 +159,7 @@ def resolve_backend(backend: str, *, need_lse: bool = False, softcap: float | No
             f"attention backend {backend!r} is not available here (flash needs CUDA and "
             "`pip install 'lightning-longctx[flash]'`); use backend='auto'"
         )
-    if need_lse and not kern.returns_lse:
-        raise ValueError(
-            f"attention backend {backend!r} does not return the log-sum-exp this path needs; use 'math' or 'flash'"
-        )
     return kern
-
-
-def default_scale(head_dim: int, softmax_scale: float | None) -> float:
-    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
 # ---- building blocks for FPDT's online softmax (no autograd: FPDT has its own backward) ----
@@ -246,7 +174,7 @@ def block_forward(
     One pass over the score tile, in place: the scale is folded into q and the exponential is taken
     once (``p = exp(s - max)``, ``lse = max + log(sum p)``). Rows with no allowed key give 0 and -inf.
     """
-    ct = _compute_dtype(q.dtype)
+    ct = compute_dtype(q.dtype)
     h = q.shape[2]
     k, v = _expand_kv(k, h), _expand_kv(v, h)
     s = torch.einsum("bqhd,bkhd->bhqk", q.to(ct) * scale, k.to(ct))  # (b, h, sq, sk)
@@ -293,7 +221,7 @@ def block_backward(
     """Gradients of one (q block, kv block) pair given the FINAL lse ``(b, h, s_q)`` of the queries and
     ``delta = rowsum(dout * out)`` ``(b, h, s_q)``. Returns ``dq (b, s_q, h, d)``, ``dk``/``dv``
     ``(b, s_k, h_kv, d)``, all in the compute dtype (fp32 or fp64)."""
-    ct = _compute_dtype(q.dtype)
+    ct = compute_dtype(q.dtype)
     h, h_kv = q.shape[2], k.shape[2]
     ke, ve = _expand_kv(k, h).to(ct), _expand_kv(v, h).to(ct)
     qs, do = q.to(ct) * scale, dout.to(ct)  # the scale folded into q: dk = ds^T (q * scale)

@@ -14,9 +14,11 @@ and fetched back shortly before it is used:
 caller computes on step ``n`` (a double buffer: at most two steps' fetched tensors are alive when
 the caller drops each step before asking for the next).
 
-``offloaded_bytes()`` is the number of bytes held in host buffers by live stores (the memory
-callback reads it); a store gives its bytes back on :meth:`ChunkStore.release` or, as a fallback,
-when it is garbage-collected (an autograd graph dropped without backward).
+``offloaded_bytes()`` is the number of bytes held in host buffers by live stores, a process-wide
+gauge like ``torch.cuda.memory_allocated`` (the memory callback reads it); a store gives its bytes
+back on :meth:`ChunkStore.release` or, as a fallback, when it is garbage-collected (an autograd graph
+dropped without backward). :func:`track_offload_residency` counts fetched copies for tests and
+benchmarks only while it is open.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,19 +43,13 @@ def offloaded_bytes() -> int:
     return _HELD_BYTES[0]
 
 
-class OffloadStats:
-    """How many fetched device copies were alive at once, per tensor name (``"k"``, ``"q"``, ...).
+@dataclass
+class OffloadResidency:
+    """How many fetched device copies were alive at once, per tensor name (``"k"``, ``"q"``, ...), while
+    a :func:`track_offload_residency` block was open. Only offloaded fetches are counted."""
 
-    Only offloaded fetches are counted. ``OFFLOAD_STATS.reset()``, run, read ``peak_resident``.
-    """
-
-    def __init__(self) -> None:
-        self.resident: dict[str, int] = defaultdict(int)
-        self.peak_resident: dict[str, int] = defaultdict(int)
-
-    def reset(self) -> None:
-        self.resident.clear()
-        self.peak_resident.clear()
+    resident: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    peak_resident: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def _fetched(self, name: str, tensor: torch.Tensor) -> None:
         self.resident[name] += 1
@@ -62,7 +60,20 @@ class OffloadStats:
         self.resident[name] -= 1
 
 
-OFFLOAD_STATS = OffloadStats()
+#: The open :func:`track_offload_residency` blocks; empty (no per-tensor finalizer) unless one is open.
+_OPEN_TRACKERS: list[OffloadResidency] = []
+
+
+@contextmanager
+def track_offload_residency() -> Iterator[OffloadResidency]:
+    """Count the device copies that offloading stores fetch inside the block (tests, benchmarks: proves
+    the double buffer). Costs nothing outside such a block."""
+    tracker = OffloadResidency()
+    _OPEN_TRACKERS.append(tracker)
+    try:
+        yield tracker
+    finally:
+        _OPEN_TRACKERS.remove(tracker)
 
 
 def _give_back(held: list[int]) -> None:
@@ -141,7 +152,8 @@ class ChunkStore:
                 event.record(self._stream)
         else:
             dev = host.clone()
-        OFFLOAD_STATS._fetched(key[0], dev)
+        for tracker in _OPEN_TRACKERS:
+            tracker._fetched(key[0], dev)
         self._pending[key] = (dev, event)
 
     def get(self, key: Key) -> torch.Tensor:

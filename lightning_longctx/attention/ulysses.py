@@ -7,55 +7,18 @@ sequence, and a second all-to-all turns the result back.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from lightning_longctx.attention.kernels import MaskSpec, default_scale, doc_ids, has_resets, resolve_backend
+from lightning_longctx.attention.common import (
+    MaskSpec,
+    check_qkv,
+    default_scale,
+    doc_ids,
+    has_resets,
+    spread_kv_heads,
+)
+from lightning_longctx.attention.kernels import resolve_backend
 from lightning_longctx.comm import Group, all_gather_no_grad, group_rank_size, head_to_seq, seq_to_head
-
-
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Shape rules shared by the sequence-parallel attentions; errors name the value and the fix."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 4:
-            raise ValueError(
-                f"{name} must be bshd (batch, seq, heads, head_dim), got {x.dim()}-D shape {tuple(x.shape)}; "
-                "HF models give (b, h, s, d): transpose(1, 2) first"
-            )
-    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
-        raise ValueError(
-            f"head_dim differs: q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}; all three must be equal"
-        )
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if q.shape[:2] != k.shape[:2]:
-        raise ValueError(
-            f"q {tuple(q.shape)} and k {tuple(k.shape)} must share (batch, local seq): self-attention only"
-        )
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(
-            f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]}) for grouped-query attention"
-        )
-
-
-def spread_kv_heads(
-    k: torch.Tensor, v: torch.Tensor, num_heads: int, world: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Make the kv heads splittable over ``world`` ranks consistently with the query heads.
-
-    With ``h % lcm(h_kv, P) == 0`` each kv head is repeated ``P // gcd(h_kv, P)`` times
-    (``repeat_interleave``: copies stay next to their original, so query head i still maps to a copy
-    of kv head ``i // (h / h_kv)``); otherwise (uneven head split) kv is expanded to ``h`` heads.
-    """
-    h_kv = k.shape[2]
-    if num_heads % world == 0 and num_heads % math.lcm(h_kv, world) == 0:
-        f = world // math.gcd(h_kv, world)
-    else:
-        f = num_heads // h_kv
-    if f == 1:
-        return k, v
-    return k.repeat_interleave(f, dim=2), v.repeat_interleave(f, dim=2)
 
 
 def global_mask(

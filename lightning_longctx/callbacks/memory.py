@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_longctx.attention.offload import offloaded_bytes
 from lightning_longctx.callbacks.mfu import MFUMonitor
 from lightning_longctx.comm import all_reduce_no_grad
 
@@ -50,17 +50,6 @@ def host_rss_bytes() -> int:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
-def _offloaded_bytes_fn() -> Callable[[], int]:
-    try:
-        from lightning_longctx.attention.offload import offloaded_bytes
-    except ImportError:
-        rank_zero_debug(
-            "MemoryMonitor: lightning_longctx.attention.offload unavailable; mem/offloaded_gib = 0"
-        )
-        return lambda: 0
-    return offloaded_bytes
-
-
 class MemoryMonitor(L.Callback):
     """Logs ``mem/peak_allocated_gib``, ``mem/peak_reserved_gib`` (CUDA only), ``mem/host_rss_gib``,
     ``mem/offloaded_gib`` every training step, each the max over ranks.
@@ -77,15 +66,10 @@ class MemoryMonitor(L.Callback):
         self.history: list[dict[str, float]] = []
         self.summary: str | None = None
         self.plot_path: str | None = None
-        self._offloaded: Callable[[], int] = lambda: 0
 
     @staticmethod
     def _is_cuda(trainer: L.Trainer) -> bool:
         return trainer.strategy.root_device.type == "cuda"
-
-    @override
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._offloaded = _offloaded_bytes_fn()
 
     @override
     def on_train_batch_start(
@@ -102,7 +86,7 @@ class MemoryMonitor(L.Callback):
             stats["mem/peak_allocated_gib"] = float(torch.cuda.max_memory_allocated(device))
             stats["mem/peak_reserved_gib"] = float(torch.cuda.max_memory_reserved(device))
         stats["mem/host_rss_gib"] = float(host_rss_bytes())
-        stats["mem/offloaded_gib"] = float(self._offloaded())
+        stats["mem/offloaded_gib"] = float(offloaded_bytes())
         return stats
 
     @override
@@ -162,7 +146,11 @@ class MemoryMonitor(L.Callback):
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.is_global_zero or not self.history:
+        if not self.history:  # the same on every rank: each step's numbers were reduced over all ranks
+            return
+        # trainer.log_dir is a broadcast under DDP: every rank reads it, before the rank-zero-only part.
+        log_dir = trainer.log_dir if self.plot else None
+        if not trainer.is_global_zero:
             return
         perf = self._perf_history(trainer)
         self.summary = self._summary_table(perf)
@@ -176,7 +164,7 @@ class MemoryMonitor(L.Callback):
                 "MemoryMonitor: matplotlib is not installed (`pip install matplotlib`); no plot written."
             )
             return
-        log_dir = trainer.log_dir or trainer.default_root_dir
+        log_dir = log_dir or trainer.default_root_dir
         os.makedirs(log_dir, exist_ok=True)
         self.plot_path = os.path.join(log_dir, self.filename)
         self._save_plot(self.plot_path, perf)

@@ -1,18 +1,20 @@
 """Swap attention (and, in FPDT mode, the MLP and the loss) of a Hugging Face model in place.
 
-Mechanism: transformers' ``AttentionInterface``. We register our own attention function under a
-fresh key (no mask function: the model then builds no O(s²) mask) and point the model's config at
-it. The function receives q ``(b, H, s, d)`` and k/v ``(b, H_kv, s, d)`` already rotated with the
-GLOBAL ``position_ids`` that ``shard_batch`` produced and returns ``(out (b, s, H, d), None)``.
+Mechanism: transformers' ``AttentionInterface``. We register one attention function per patched
+model under a fresh key (no mask function: the model then builds no O(s²) mask) and point the
+model's config at it. The function receives q ``(b, H, s, d)`` and k/v ``(b, H_kv, s, d)`` already
+rotated with the GLOBAL ``position_ids`` that ``shard_batch`` produced and returns
+``(out (b, s, H, d), None)``.
 
-The process group is not stored on the model (deep copies and pickles of the model must keep
-working): the model only holds the key string, and the settings live in ``_CONTEXTS[key]``.
+State lives in one place: the model's :class:`SequenceParallelContext`, held by the function
+registered under the model's key (the model itself keeps only the key string in its config, plus
+instance overrides of ``loss_function`` and, in FPDT mode, ``forward``). :func:`disable_sequence_parallel`
+restores the model and unregisters the key.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,34 +26,72 @@ from lightning_longctx.attention.fpdt import fpdt_attention
 from lightning_longctx.attention.ulysses import ulysses_attention
 from lightning_longctx.comm import Group
 from lightning_longctx.loss import sequence_parallel_cross_entropy
+from lightning_longctx.sharding import IGNORE_INDEX
 
 MODES = ("ulysses", "fpdt")
+_UNSET = object()
 
 
-@dataclass
+@dataclass(eq=False)
 class SequenceParallelContext:
-    """Settings of one patched model, and the counters the strategy's guardrails read."""
+    """Settings of one patched model, what :func:`disable_sequence_parallel` restores, and the counters
+    the strategy's guardrails read.
+
+    ``chunk_size`` is the configured FPDT chunk (tokens per rank); a call whose local sequence is
+    shorter uses one chunk of its length (``shard_batch`` pads to ``P * min(chunk_size, N/P)``).
+
+    A deep copy of a patched model shares its context (same group, same settings); pickling one is
+    refused, since the process group cannot travel: unpatch it first.
+    """
 
     group: Group
     mode: str
     chunk_size: int | None
     offload: bool
     backend: str
-    mlp_chunk_size: int | None
     loss_chunk_size: int | None
-    attention_calls: int = 0
+    key: str = ""
     num_attention_layers: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    attention_calls: int = 0
+    restore: dict[str, Any] = field(default_factory=dict)  # the model's settings before patching
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SequenceParallelContext:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a sequence-parallel model holds its process group and cannot be pickled; call "
+            "lightning_longctx.disable_sequence_parallel(model) first (state_dict() always works)"
+        )
 
 
-_CONTEXTS: dict[str, SequenceParallelContext] = {}
-_KEY_COUNTER = itertools.count()
+class _SequenceParallelAttention:
+    """The function registered under a patched model's key; it carries the model's context."""
+
+    def __init__(self, context: SequenceParallelContext) -> None:
+        self.context = context
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        return _hf_attention(self.context, module, *args, **kwargs)
+
+
+def _registered(key: str | None) -> Any:
+    from transformers import AttentionInterface
+
+    return AttentionInterface().get(key) if key else None  # a fresh instance reads the global mapping
+
+
+def _unregister(key: str) -> None:
+    from transformers import AttentionInterface
+
+    # transformers has register() but no public way to remove a key; this is the one place we touch it.
+    AttentionInterface._global_mapping.pop(key, None)
 
 
 def context_of(model: nn.Module) -> SequenceParallelContext | None:
     """The context of a model patched by :func:`enable_sequence_parallel`, else ``None``."""
-    config = getattr(model, "config", None)
-    return _CONTEXTS.get(getattr(config, "_attn_implementation", None) or "")
+    fn = _registered(getattr(getattr(model, "config", None), "_attn_implementation", None))
+    return fn.context if isinstance(fn, _SequenceParallelAttention) else None
 
 
 def _unsupported(kwargs: dict[str, Any], model_name: str) -> None:
@@ -63,7 +103,7 @@ def _unsupported(kwargs: dict[str, Any], model_name: str) -> None:
 
 
 def _hf_attention(
-    key: str,
+    ctx: SequenceParallelContext,
     module: nn.Module,
     query: torch.Tensor,
     key_states: torch.Tensor,
@@ -76,7 +116,6 @@ def _hf_attention(
     position_ids: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    ctx = _CONTEXTS[key]
     name = type(module).__name__
     _unsupported(kwargs, name)
     if dropout:
@@ -104,20 +143,21 @@ def _hf_attention(
                 f"{name} uses attention logit softcapping ({softcap}), which FPDT does not implement; "
                 "use the 'ulysses' strategy (fpdt_chunk_size=None) for this model"
             )
+        chunk = min(ctx.chunk_size, q.shape[1])  # short sequences: one chunk of their local length
         out = fpdt_attention(
-            q, k, v, chunk_size=ctx.chunk_size, offload=ctx.offload, sliding_window=sliding_window, **common
+            q, k, v, chunk_size=chunk, offload=ctx.offload, sliding_window=sliding_window, **common
         )
     ctx.attention_calls += 1
     return out, None
 
 
 def _hf_loss(
-    key: str,
+    ctx: SequenceParallelContext,
     logits: torch.Tensor,
     labels: torch.Tensor | None,
     vocab_size: int | None = None,
     num_items_in_batch: Any = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     shift_labels: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
@@ -127,9 +167,7 @@ def _hf_loss(
             "shard_batch (labels must be shifted BEFORE the sequence is cut, or targets at shard edges are lost). "
             "Use the UlyssesFPDTStrategy, or call lightning_longctx.shard_batch on the batch"
         )
-    return sequence_parallel_cross_entropy(
-        logits, shift_labels, group=_CONTEXTS[key].group, ignore_index=ignore_index
-    )
+    return sequence_parallel_cross_entropy(logits, shift_labels, group=ctx.group, ignore_index=ignore_index)
 
 
 def _chunked_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -144,7 +182,7 @@ def _chunked_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if labels is None or ctx is None:
         return type(self).forward(self, *args, labels=labels, shift_labels=shift_labels, **kwargs)
     if shift_labels is None:
-        _hf_loss(self.config._attn_implementation, None, labels)  # raises the "not sharded" error
+        _hf_loss(ctx, None, labels)  # raises the "not sharded" error
     kwargs["use_cache"] = False
     kwargs.pop("logits_to_keep", None)
     outputs = self.get_decoder()(*args, **kwargs)
@@ -155,7 +193,7 @@ def _chunked_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         shift_labels,
         bias=head.bias,
         group=ctx.group,
-        chunk_size=ctx.loss_chunk_size or 1024,
+        chunk_size=ctx.loss_chunk_size,
         softcap=getattr(self.config, "final_logit_softcapping", None),
     )
     return CausalLMOutputWithPast(
@@ -163,8 +201,8 @@ def _chunked_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     )
 
 
-def _decoder_mlps(model: nn.Module) -> list[nn.Module]:
-    return [m for name, m in model.named_modules() if name.endswith(".mlp") and isinstance(m, nn.Module)]
+def _decoder_mlps(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: m for name, m in model.named_modules() if name.endswith(".mlp")}
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
@@ -193,6 +231,7 @@ def enable_sequence_parallel(
     per chunk per rank, plus the MLPs tiled along the sequence (``mlp_chunk_size``, default
     ``chunk_size``) and a chunked lm_head + loss (``loss_chunk_size``, default ``chunk_size``).
     Batches must come from ``shard_batch`` (the strategy does this) with the matching layout.
+    :func:`disable_sequence_parallel` undoes it.
     """
     from transformers import AttentionInterface, PreTrainedModel
 
@@ -206,6 +245,11 @@ def enable_sequence_parallel(
             "Plain PyTorch models call lightning_longctx.ulysses_attention / fpdt_attention themselves"
         )
     name = type(model).__name__
+    if context_of(model) is not None:
+        raise ValueError(
+            f"this {name} is already sequence-parallel; call disable_sequence_parallel(model) before patching "
+            "it again"
+        )
     if not getattr(model, "_supports_attention_backend", False):
         raise ValueError(
             f"{name} does not route attention through transformers' AttentionInterface (models such as Falcon, "
@@ -216,31 +260,61 @@ def enable_sequence_parallel(
         raise ValueError(
             f"{name} scales its logits (config.logit_scale); the chunked FPDT loss does not; use mode='ulysses'"
         )
-    key = f"longctx_{mode}_{next(_KEY_COUNTER)}"
     ctx = SequenceParallelContext(
         group=group,
         mode=mode,
         chunk_size=chunk_size,
         offload=offload,
         backend=backend,
-        mlp_chunk_size=mlp_chunk_size or chunk_size,
         loss_chunk_size=loss_chunk_size or chunk_size,
+        num_attention_layers=int(getattr(model.config, "num_hidden_layers", 0)),
     )
-    _CONTEXTS[key] = ctx
-    AttentionInterface.register(key, functools.partial(_hf_attention, key))
-    model.set_attn_implementation(key)
-    if model.config._attn_implementation != key:
+    saved = ctx.restore
+    saved["attn_implementation"] = model.config._attn_implementation
+    saved["use_cache"] = model.config.use_cache
+    saved["loss_function"] = model.__dict__.get("_loss_function", _UNSET)
+    saved["forward"] = model.__dict__.get("forward", _UNSET)
+    ctx.key = f"longctx_{mode}_{id(ctx):x}"  # unique among live keys: the registry keeps ctx alive
+    AttentionInterface.register(ctx.key, _SequenceParallelAttention(ctx))
+    model.set_attn_implementation(ctx.key)
+    if model.config._attn_implementation != ctx.key:
+        _unregister(ctx.key)
         raise RuntimeError(
-            f"{name} ignored set_attn_implementation({key!r}); its attention cannot be swapped"
+            f"{name} ignored set_attn_implementation({ctx.key!r}); its attention cannot be swapped"
         )
     model.config.use_cache = False
-    model.loss_function = functools.partial(_hf_loss, key)
-    ctx.num_attention_layers = int(getattr(model.config, "num_hidden_layers", 0))
+    model.loss_function = functools.partial(_hf_loss, ctx)
     if mode == "fpdt":
-        from lightning_longctx.tiling import tile_mlp_
+        from lightning_longctx.tiling import is_tiled, tile_mlp_
 
-        for mlp in _decoder_mlps(model):
-            tile_mlp_(mlp, ctx.mlp_chunk_size)
+        mlps = {name: m for name, m in _decoder_mlps(model).items() if not is_tiled(m)}
+        for mlp in mlps.values():
+            tile_mlp_(mlp, mlp_chunk_size or chunk_size)
+        saved["tiled_mlps"] = list(mlps)
         if model.get_output_embeddings() is not None:
             model.forward = types.MethodType(_chunked_loss_forward, model)
+    return model
+
+
+def disable_sequence_parallel(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable_sequence_parallel`: the model's attention, cache setting, loss, forward and
+    MLPs are as before, and its attention key is unregistered. Returns the model; a model that is not
+    sequence-parallel is returned unchanged."""
+    from lightning_longctx.tiling import untile_mlp_
+
+    ctx = context_of(model)
+    if ctx is None:
+        return model
+    saved = ctx.restore
+    model.set_attn_implementation(saved["attn_implementation"])
+    model.config.use_cache = saved["use_cache"]
+    for attr, name in (("_loss_function", "loss_function"), ("forward", "forward")):
+        if saved[name] is _UNSET:
+            model.__dict__.pop(attr, None)
+        else:
+            model.__dict__[attr] = saved[name]
+    mlps = _decoder_mlps(model)
+    for name in saved.get("tiled_mlps", ()):
+        untile_mlp_(mlps[name])
+    _unregister(ctx.key)
     return model

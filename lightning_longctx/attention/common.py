@@ -1,0 +1,123 @@
+"""Shape rules, masks and small helpers shared by every attention path (kernels, Ulysses, FPDT).
+
+Layout ``bshd`` = (batch, seq, heads, head_dim) throughout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """Which (query, key) pairs may attend, for a block of queries against a block of keys.
+
+    ``q_start`` / ``k_start`` are the global token indices of the first query / key of the blocks
+    (causality and the sliding window compare global indices). ``q_doc`` ``(b, s_q)`` and ``k_doc``
+    ``(b, s_k)`` are document ids (packed sequences): tokens attend only within their document.
+    """
+
+    causal: bool = True
+    sliding_window: int | None = None
+    q_start: int = 0
+    k_start: int = 0
+    q_doc: torch.Tensor | None = None
+    k_doc: torch.Tensor | None = None
+
+    def dense(self, s_q: int, s_k: int, device: torch.device) -> torch.Tensor | None:
+        """Boolean ``(b or 1, s_q, s_k)`` mask of allowed pairs, or ``None`` when all are allowed."""
+        mask = None
+        if self.causal or self.sliding_window is not None:
+            qi = torch.arange(self.q_start, self.q_start + s_q, device=device)[:, None]
+            ki = torch.arange(self.k_start, self.k_start + s_k, device=device)[None, :]
+            if self.causal and self.k_start + s_k - 1 > self.q_start:
+                mask = ki <= qi
+            if (
+                self.sliding_window is not None
+                and self.q_start + s_q - 1 - self.k_start >= self.sliding_window
+            ):
+                window = ki > qi - self.sliding_window
+                mask = window if mask is None else mask & window
+            mask = None if mask is None else mask[None]
+        if self.q_doc is not None and self.k_doc is not None:
+            same = self.q_doc[:, :, None] == self.k_doc[:, None, :]
+            mask = same if mask is None else mask & same
+        return mask
+
+    def is_plain_causal(self, s_q: int, s_k: int) -> bool:
+        """True when the mask is exactly the usual square causal mask (SDPA/flash ``is_causal``)."""
+        return (
+            self.causal
+            and self.sliding_window is None
+            and self.q_doc is None
+            and self.q_start == self.k_start
+            and s_q == s_k
+        )
+
+
+def doc_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document ids ``(b, s)`` from GLOBAL position ids ``(b, s)``: a position 0 after the first token
+    starts a new document (packed sequences)."""
+    starts = position_ids == 0
+    starts[:, 0] = True
+    return torch.cumsum(starts.to(torch.int32), dim=1)
+
+
+def has_resets(position_ids: torch.Tensor | None) -> bool:
+    """Whether ``position_ids`` packs more than one document (any 0 after the first token)."""
+    return position_ids is not None and bool((position_ids[:, 1:] == 0).any())
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 stays fp64; every other dtype computes softmax statistics in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def default_scale(head_dim: int, softmax_scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Shape rules shared by the sequence-parallel attentions; errors name the value and the fix."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(
+                f"{name} must be bshd (batch, seq, heads, head_dim), got {x.dim()}-D shape {tuple(x.shape)}; "
+                "HF models give (b, h, s, d): transpose(1, 2) first"
+            )
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        raise ValueError(
+            f"head_dim differs: q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}; all three must be equal"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must share (batch, local seq): self-attention only"
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]}) for grouped-query attention"
+        )
+
+
+def spread_kv_heads(
+    k: torch.Tensor, v: torch.Tensor, num_heads: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make the kv heads splittable over ``world`` ranks consistently with the query heads.
+
+    With ``h % lcm(h_kv, P) == 0`` each kv head is repeated ``P // gcd(h_kv, P)`` times
+    (``repeat_interleave``: copies stay next to their original, so query head i still maps to a copy
+    of kv head ``i // (h / h_kv)``); otherwise (uneven head split) kv is expanded to ``h`` heads.
+    """
+    h_kv = k.shape[2]
+    if num_heads % world == 0 and num_heads % math.lcm(h_kv, world) == 0:
+        f = world // math.gcd(h_kv, world)
+    else:
+        f = num_heads // h_kv
+    if f == 1:
+        return k, v
+    return k.repeat_interleave(f, dim=2), v.repeat_interleave(f, dim=2)
