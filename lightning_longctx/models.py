@@ -159,11 +159,21 @@ class CausalLM(L.LightningModule):
         return getattr(self.trainer.strategy, "sp_group", None)
 
     # ---- steps ----
+    def _logs_step_loss(self) -> bool:
+        return bool(getattr(self.trainer.strategy, "loss_is_token_mean", False))
+
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self.hf_model(**batch).loss
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        if not self._logs_step_loss():  # else logged once per step, token-weighted, below
+            self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # The strategy has just summed the window: the step's token mean over all ranks and micro-batches.
+        if self._logs_step_loss():
+            self.log("train/loss", float(self.trainer.strategy.step_loss), prog_bar=True, batch_size=1)
 
     def _eval_step(self, batch: dict[str, Tensor], prefix: str, metric: RecallAccuracy) -> Tensor:
         batch_size = batch["input_ids"].shape[0]

@@ -43,6 +43,7 @@ from lightning_longctx.integrations.transformers import (
 )
 from lightning_longctx.mesh import ParallelLayout, build_device_mesh
 from lightning_longctx.sharding import IGNORE_INDEX, shard_batch
+from lightning_longctx.token_mean import TokenMeanWindow
 
 #: Tokens per chunk per rank of the "ulysses_fpdt" preset.
 DEFAULT_FPDT_CHUNK_SIZE = 4096
@@ -71,6 +72,10 @@ class SequenceParallelConfig:
         loss_chunk_size: tokens per chunk of FPDT's chunked lm_head + loss (default: ``fpdt_chunk_size``).
         pad_token_id: token that pads sequences whose length does not divide.
         ignore_index: label of tokens without a loss (padding gets it too).
+        loss_normalization: ``"tokens"`` (default): the loss and every gradient of an optimizer step are
+            those of one device on the whole global batch, the sum of token losses over all dp ranks and
+            micro-batches of the accumulation window divided by its valid-token count;
+            ``"micro_batch"``: Lightning's mean of per-micro-batch means (exact within an SP group).
     """
 
     sequence_parallel_size: int | Literal["auto"] = "auto"
@@ -83,6 +88,7 @@ class SequenceParallelConfig:
     loss_chunk_size: int | None = None
     pad_token_id: int = 0
     ignore_index: int = IGNORE_INDEX
+    loss_normalization: Literal["tokens", "micro_batch"] = "tokens"
 
     def __post_init__(self) -> None:
         sp = self.sequence_parallel_size
@@ -100,6 +106,11 @@ class SequenceParallelConfig:
             )
         if self.offload is True and self.fpdt_chunk_size is None:
             raise ValueError("offload=True needs FPDT chunking: set fpdt_chunk_size (e.g. 4096)")
+        if self.loss_normalization not in ("tokens", "micro_batch"):
+            raise ValueError(
+                f"loss_normalization={self.loss_normalization!r} is unknown; use 'tokens' (the token mean over the "
+                "global batch, as one device) or 'micro_batch' (Lightning's mean of per-micro-batch means)"
+            )
         if self.data_parallel not in ("ddp", "fsdp"):
             raise ValueError(
                 f"data_parallel={self.data_parallel!r} is unknown; use 'ddp' (replicated parameters) or 'fsdp' "
@@ -169,6 +180,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
         self._layout: ParallelLayout | None = None
         self._mesh: Any = None
         self._fsdp: FSDP2Sharding | None = None
+        self._token_mean: TokenMeanWindow | None = None
         self._contexts: list[SequenceParallelContext] = []
         self._batches_sharded = 0
         self._verified = False
@@ -237,6 +249,10 @@ class UlyssesFPDTStrategy(DDPStrategy):
         self._mesh = build_device_mesh(self._layout, self.root_device.type)
         if self.sp_config.data_parallel == "fsdp":
             self._fsdp = FSDP2Sharding(self.root_device.type, self.world_size)
+        if self.sp_config.loss_normalization == "tokens":
+            self._token_mean = TokenMeanWindow(
+                world_size=self.world_size, dp_size=self._layout.dp, ignore_index=self.sp_config.ignore_index
+            )
         rank_zero_info(f"UlyssesFPDTStrategy: {self._layout}, mode={self.sp_config.mode}")
 
     @override
@@ -342,6 +358,8 @@ class UlyssesFPDTStrategy(DDPStrategy):
             self._check_batch_across_ranks(ids)
         chunk = self.chunk_size_for(ids.shape[1]) if isinstance(ids, Tensor) else None
         self.current_chunk_size = chunk
+        if self._token_mean_active and self.lightning_module.trainer.training:
+            self._token_mean.count(batch, self.lightning_module.trainer.accumulate_grad_batches)
         out = shard_batch(
             batch,
             group=self.sp_group,
@@ -411,10 +429,49 @@ class UlyssesFPDTStrategy(DDPStrategy):
                 "/ fpdt_attention with trainer.strategy.sp_group in your model, or use a transformers model"
             )
 
+    # ---- loss normalisation (token_mean.py) ----
+    @property
+    def _token_mean_active(self) -> bool:
+        # Manual optimisation calls backward and step itself: Lightning's semantics, x sp below.
+        return self._token_mean is not None and self.lightning_module.automatic_optimization
+
+    @property
+    def loss_is_token_mean(self) -> bool:
+        """Whether optimizer steps use the token mean over the global batch (see :attr:`step_loss`)."""
+        return self._token_mean_active
+
+    @property
+    def step_loss(self) -> Tensor | None:
+        """The last optimizer step's loss as one device computes it on the global batch: the sum of token
+        losses over all dp ranks and micro-batches of the window / its valid-token count (a 0-dim fp32
+        CPU tensor, equal on every rank). ``None`` with ``loss_normalization="micro_batch"``."""
+        return None if self._token_mean is None else self._token_mean.step_loss
+
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        # DDP averages over dp*sp ranks; SP ranks hold partial gradients that must be summed: x sp.
-        return super().backward(closure_loss * self.sp_size, optimizer, *args, **kwargs)
+        if self._token_mean_active:
+            loss = self._token_mean.backward_loss(
+                closure_loss, self.lightning_module.trainer.accumulate_grad_batches
+            )
+        else:
+            # DDP averages over dp*sp ranks; SP ranks hold partial gradients that must be summed: x sp.
+            loss = closure_loss * self.sp_size
+        return super().backward(loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if not self._token_mean_active:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        window = self._token_mean
+
+        def closure_then_normalise() -> Any:
+            # The closure runs the window's last micro-batch; Lightning clips and steps after it returns.
+            out = closure()
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            window.finish(params, self.dp_group)
+            return out
+
+        return super().optimizer_step(optimizer, closure_then_normalise, model, **kwargs)
 
     @classmethod
     @override
