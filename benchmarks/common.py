@@ -1,35 +1,42 @@
 """Helpers shared by the benchmark scripts; they know nothing about any one benchmark.
 
-* :func:`run_ranks` runs a function on P freshly spawned CPU processes joined in a gloo group.
-* :func:`time_interleaved` times several variants of a step round-robin, barrier before and after.
-* :class:`AllToAllBytes` counts the bytes this rank sends to OTHER ranks through
-  ``torch.distributed.all_to_all_single``, whoever calls it (our ``comm`` module or a peer library),
-  so both sides of a comparison are measured by the same meter.
-* :func:`write_json` / :func:`format_table` / :func:`environment` for the outputs.
+:func:`launch` is the one way the benchmarks start ranks. What the package already measures is used
+from it, not copied here: ``host_rss_bytes`` / ``max_over_ranks`` (``lightning_longctx.callbacks.memory``),
+the FLOP formulas and peak table (``lightning_longctx.flops``), ``count_all_to_all``
+(``lightning_longctx.comm``), ``offloaded_bytes`` (``lightning_longctx.attention.offload``).
 
-Benchmark scripts import this as ``from common import ...``: run them as
-``python benchmarks/<script>.py`` (the script's folder is then on ``sys.path``; spawned ranks inherit it).
+Scripts import this as ``from common import ...``: run them as ``python benchmarks/<script>.py``
+(``gpu/`` scripts put this folder on ``sys.path`` themselves).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import multiprocessing as mp
 import os
 import platform
 import queue
 import socket
-import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from datetime import datetime, timedelta, timezone
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+MIB = float(1 << 20)
+GIB = float(1 << 30)
+
+#: imported once by the fork server, so a rank starts in ~1 s instead of ~15 s of imports on 2 loaded cores
+PRELOAD = ["__main__", "torch", "lightning", "transformers.models.llama.modeling_llama", "lightning_longctx"]
+#: inherited variables that would make Lightning or torch.distributed join another job
+LAUNCHER_VARS = ("TORCHELASTIC", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_", "GROUP_", "SLURM_")
 
 
 def free_port() -> int:
@@ -38,202 +45,130 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_entry(
-    rank: int,
-    world_size: int,
-    port: int,
-    threads: int,
-    timeout_s: float,
-    fn: Callable[..., Any],
-    args: tuple,
-    outbox: Any,
-) -> None:
-    torch.set_num_threads(threads)
+@dataclass
+class Launch:
+    """What :func:`launch` brought back: each rank's return value in rank order (None where none came)."""
+
+    results: list[Any]
+    error: str | None  # None when every rank returned
+    timed_out: bool
+    log: str  # the tail of every rank's output when something failed, else ""
+    wall_s: float
+
+    def check(self) -> list[Any]:
+        """The results, or ``RuntimeError`` with the error and the ranks' logs."""
+        if self.error:
+            raise RuntimeError(f"{self.error}\n{self.log}")
+        return self.results
+
+
+def _rank_main(fn: Callable[..., Any], args: tuple, rank: int, world: int, port: int, threads: int | None,
+               logdir: str, outbox: Any) -> None:  # fmt: skip
+    for key in [k for k in os.environ if k.startswith(LAUNCHER_VARS)]:
+        del os.environ[key]
+    if world > 1:  # LOCAL_RANK tells Lightning the processes exist already (it launches none itself)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")  # fmt: skip
+    log = os.open(Path(logdir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)  # Lightning's chatter goes to the log, shown when the launch fails
+    os.dup2(log, 2)
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        try:
-            outbox.put((rank, True, fn(*args)))
-        finally:
-            dist.destroy_process_group()
+        outbox.put((rank, True, fn(*args)))
     except BaseException:
         outbox.put((rank, False, traceback.format_exc()))
+        sys.exit(1)
 
 
-def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1, timeout_s: float = 600.0
-) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` spawned processes sharing a gloo default group.
+def launch(
+    fn: Callable[..., Any], world: int, *args: Any, threads: int | None = 1, timeout_s: float = 600.0
+) -> Launch:
+    """Run ``fn(*args)`` on ``world`` fresh processes and collect what each returns.
 
-    Each rank uses ``threads`` intra-op threads. ``fn`` must be picklable (defined at module level)
-    and return picklable values (plain Python objects are best). Returns the results in rank order;
-    raises ``RuntimeError`` with the first failing rank's traceback, or when a rank gives nothing
-    within ``timeout_s`` (a deadlock or a crash).
+    The processes are forked from a server that imported :data:`PRELOAD` once: fresh (no CUDA context,
+    no allocations of an earlier point) and quick to start. Each gets the variables torchrun sets
+    (``MASTER_ADDR/PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``), so a ``lightning.Trainer`` takes
+    them as launched externally and ``dist.init_process_group(backend)`` reads them; no group is
+    created here, the backend (gloo, NCCL) is the caller's. ``threads`` intra-op threads per rank
+    (None: torch's default). ``fn`` must be defined at module level and return something picklable.
+    A rank that raises, dies or is still running after ``timeout_s`` ends the launch: every rank
+    still alive is killed and ``error`` says why.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts: the first launch
     outbox = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_rank_entry, args=(r, world_size, port, threads, timeout_s, fn, args, outbox), daemon=True
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    port, t0 = free_port(), time.perf_counter()
     results: dict[int, Any] = {}
-    try:
-        while len(results) < world_size:
+    error, timed_out = None, False
+    with tempfile.TemporaryDirectory(prefix="bench_ranks_") as logdir:
+        procs = [
+            ctx.Process(target=_rank_main, args=(fn, args, r, world, port, threads, logdir, outbox))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        while len(results) < world and error is None:
             try:
-                rank, ok, payload = outbox.get(timeout=timeout_s)
+                rank, ok, payload = outbox.get(timeout=0.5)
             except queue.Empty:
-                missing = sorted(set(range(world_size)) - set(results))
-                raise RuntimeError(
-                    f"{fn.__name__}: ranks {missing} of {world_size} gave no result within {timeout_s:.0f}s"
-                ) from None
-            if not ok:
-                raise RuntimeError(f"{fn.__name__} failed on rank {rank} of {world_size}:\n{payload}")
-            results[rank] = payload
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+                if dead and outbox.empty():  # a result put before exiting is readable by now
+                    error = f"rank(s) {dead} exited with {[procs[r].exitcode for r in dead]}, no result"
+                elif time.monotonic() > deadline:
+                    error, timed_out = f"timed out after {timeout_s:.0f}s", True
+                continue
+            if ok:
+                results[rank] = payload
+            else:
+                error = f"rank {rank} of {world} failed:\n{payload}"
         for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
+            if error is None:
+                p.join(timeout=30)  # a rank that returned is tearing down
+            if p.is_alive():  # after a failure the others would wait in a collective forever
                 p.kill()
-                p.join(timeout=5)
-    return [results[r] for r in range(world_size)]
+            p.join(5)
+        log = ""
+        if error:
+            logs = sorted(Path(logdir).glob("rank*.log"))
+            log = "".join(f"--- {p.stem} ---\n{p.read_text(errors='replace')[-1500:]}" for p in logs)
+    return Launch([results.get(r) for r in range(world)], error, timed_out, log, time.perf_counter() - t0)
 
 
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def bench_trainer(mode: str, world_size: int, *, chunk_size: int | None, device: str = "cpu",
+                  callbacks: Sequence[Any] = (), **trainer_kwargs: Any) -> Any:  # fmt: skip
+    """A ``lightning.Trainer`` without logger, checkpoints, progress bar or sanity check, for one mode.
 
-
-def time_interleaved(
-    steps: dict[str, Callable[[], Any]], *, repeats: int, warmup: int = 1
-) -> dict[str, list[float]]:
-    """Wall time (s) of each step, ``repeats`` times after ``warmup`` untimed rounds.
-
-    The steps run round-robin and the order rotates every round, so drift (thermal, other load)
-    hits all variants alike. Each timed call sits between two barriers: the time is the slowest
-    rank's, including the collectives' waiting.
+    ``single``: one device, Lightning's default strategy. ``ulysses`` / ``fpdt`` / ``fpdt_offload``:
+    ``UlyssesFPDTStrategy`` over ``world_size`` ranks (gloo on CPU, NCCL on CUDA); FPDT with
+    ``chunk_size`` tokens per chunk per rank, and offload for ``fpdt_offload``.
     """
-    names = list(steps)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for i in range(warmup + repeats):
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
-            barrier()
-            t0 = time.perf_counter()
-            steps[name]()
-            barrier()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
-    return times
+    import lightning as L
 
+    from lightning_longctx import UlyssesFPDTStrategy
 
-def median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
-
-
-def max_over_ranks(x: float) -> float:
-    """The largest value of ``x`` over the default group (``x`` itself without a group)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return float(x)
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-class AllToAllBytes:
-    """Context manager: bytes this rank sends to OTHER ranks through ``all_to_all_single``.
-
-    Patches ``torch.distributed.all_to_all_single`` in this process while active (callers that look
-    it up at call time, as ``torch.distributed.all_to_all_single`` / ``dist.all_to_all_single``, are
-    seen). The block a rank keeps for itself is not counted. ``bytes_sent`` and ``calls`` stay
-    readable after exit.
-    """
-
-    def __init__(self) -> None:
-        self.bytes_sent = 0
-        self.calls = 0
-        self._orig: Callable[..., Any] | None = None
-
-    def _count(self, inp: torch.Tensor, input_split_sizes: list[int] | None, group: Any) -> None:
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        total = inp.numel() * inp.element_size()
-        if input_split_sizes:
-            row = total // inp.shape[0] if inp.shape[0] else 0
-            self.bytes_sent += (sum(input_split_sizes) - input_split_sizes[rank]) * row
-        else:  # even split along dim 0
-            self.bytes_sent += total - total // world
-        self.calls += 1
-
-    def __enter__(self) -> AllToAllBytes:
-        orig = self._orig = dist.all_to_all_single
-
-        def counted(
-            output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False
-        ):
-            self._count(input, input_split_sizes, group)
-            return orig(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
-
-        dist.all_to_all_single = counted
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        dist.all_to_all_single = self._orig
-
-
-def environment() -> dict[str, Any]:
-    """Where the numbers came from: versions, CPU, time."""
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "cuda": torch.cuda.is_available(),
-        "argv": sys.argv,
-        "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
-    return out
-
-
-Column = tuple[str, str, str]  # (row key, header, format spec such as ".2f"; "" = str())
-
-
-def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
-    """A plain-text table (markdown pipe style); missing or ``None`` cells print as ``-``."""
-
-    def cell(row: dict[str, Any], key: str, spec: str) -> str:
-        val = row.get(key)
-        if val is None:
-            return "-"
-        if spec and isinstance(val, (int, float)):
-            return format(val, spec)
-        return str(val)
-
-    body = [[cell(r, k, s) for k, _, s in columns] for r in rows]
-    heads = [h for _, h, _ in columns]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(heads)]
-    lines = [
-        "| " + " | ".join(h.ljust(w) for h, w in zip(heads, widths)) + " |",
-        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-    ]
-    lines += ["| " + " | ".join(c.rjust(w) for c, w in zip(b, widths)) + " |" for b in body]
-    return "\n".join(lines)
+    cuda = device == "cuda"
+    strategy: Any = "auto"
+    if mode != "single":
+        strategy = UlyssesFPDTStrategy(
+            sequence_parallel_size=world_size,
+            fpdt_chunk_size=None if mode == "ulysses" else chunk_size,
+            offload=mode == "fpdt_offload",
+            process_group_backend="nccl" if cuda else "gloo",
+        )
+    return L.Trainer(
+        accelerator="gpu" if cuda else "cpu",
+        devices=1 if mode == "single" else world_size,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=list(callbacks),
+        **trainer_kwargs,
+    )
 
 
 def token_lm_module(args: Any, *, num_samples: int, lr: float) -> Any:
@@ -280,22 +215,104 @@ def token_lm_module(args: Any, *, num_samples: int, lr: float) -> Any:
     return TokenLM()
 
 
-def child_env(threads: int) -> dict[str, str]:
-    """Environment for a launched benchmark job: no inherited launcher/cluster variables (a stray
-    RANK or SLURM_* would make Lightning join the wrong job), ``threads`` OpenMP threads, the repo on
-    ``PYTHONPATH``."""
-    launcher = ("TORCHELASTIC", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_", "GROUP_", "SLURM_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
-    env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+def add_model_args(p: Any, **defaults: int) -> None:
+    """``--vocab --hidden --intermediate --layers --heads`` (the Llama a script trains), with defaults."""
+    for name, default in defaults.items():
+        p.add_argument(f"--{name}", type=int, default=default)
+
+
+def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares ``y = a + b·x``; returns ``(a, b)``. Needs two distinct ``xs`` or more."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def meminfo_bytes(field: str) -> int:
+    """A field of ``/proc/meminfo`` (``MemAvailable``, ``MemTotal``) in bytes; 0 where there is none."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def environment() -> dict[str, Any]:
+    """Where the numbers came from: versions, machine (GPU when there is one), time, command line."""
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "cuda": torch.cuda.is_available(),
+        "argv": sys.argv,
+        "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    for name in ("transformers", "lightning", "torchmetrics", "jsonargparse", "triton", "deepspeed"):
+        try:
+            env[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(
+            torch_cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version(),
+            gpu=props.name,
+            gpu_memory_gib=round(props.total_memory / GIB, 1),
+            sms=props.multi_processor_count,
+        )
     return env
 
 
-def launch_cmd(script: str | Path, world: int, *script_args: str, torchrun: bool | None = None) -> list[str]:
-    """``python -m torch.distributed.run --standalone --nproc_per_node=world script ...``, or plain
-    ``python script ...`` (default: torchrun for more than one process)."""
-    cmd = [sys.executable]
-    if world > 1 if torchrun is None else torchrun:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-    return [*cmd, str(Path(script).resolve()), *script_args]
+def save_results(benchmark: str, config: dict[str, Any], fields: dict[str, Any], out: str | os.PathLike,
+                 png: str | os.PathLike | None = None) -> dict[str, Any]:  # fmt: skip
+    """Write ``{benchmark, config, environment, **fields}`` as the JSON ``out`` and, given ``png``, its plot
+    (``plot.py``, by ``benchmark``); say where. Returns that payload."""
+    payload = {"benchmark": benchmark, "config": config, "environment": environment(), **fields}
+    path = write_json(out, payload)
+    if png is not None:
+        from plot import save_plot
+
+        png = save_plot(payload, png)
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
+    return payload
+
+
+def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
+    """``payload`` as indented JSON, replaced atomically: a run killed mid-write keeps the last file."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(out)
+    return out
+
+
+Column = tuple[str, str, str]  # (row key, header, format spec such as ".2f"; "" = str())
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
+    """A plain-text table (markdown pipe style); missing or ``None`` cells print as ``-``."""
+
+    def cell(row: dict[str, Any], key: str, spec: str) -> str:
+        val = row.get(key)
+        if val is None:
+            return "-"
+        if spec and isinstance(val, (int, float)):
+            return format(val, spec)
+        return str(val)
+
+    body = [[cell(r, k, s) for k, _, s in columns] for r in rows]
+    heads = [h for _, h, _ in columns]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(heads)]
+    lines = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(heads, widths)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
+    lines += ["| " + " | ".join(c.rjust(w) for c, w in zip(b, widths)) + " |" for b in body]
+    return "\n".join(lines)

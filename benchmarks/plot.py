@@ -2,12 +2,14 @@
 
     python benchmarks/plot.py [--results benchmarks/results] [--out docs/img]
 
-Each JSON names its benchmark in its ``benchmark`` field; one plot function per kind:
+Each JSON names its benchmark in its ``benchmark`` field; one plot function per kind, also used by
+the scripts that write a PNG beside their JSON (``bench_memory.py``, ``bench_soak.py``):
 
 | benchmark            | written by                        | PNG                                      |
 | ulysses_attention    | bench_ulysses.py                  | ulysses_time.png                         |
 | throughput           | bench_throughput.py               | throughput.png (+ ``<stem>.png`` others) |
-| memory               | bench_memory.py                   | memory.png                               |
+| memory               | bench_memory.py                   | memory.png (+ ``<stem>.png`` others)     |
+| soak                 | bench_soak.py                     | soak.png                                 |
 | gpu_mfu              | gpu/longctx.py mfu (check.sh)     | gpu_mfu.png                              |
 
 Files of another kind, unreadable files and missing ones are skipped with a note; a plot that fails
@@ -31,89 +33,80 @@ except ImportError:  # pragma: no cover - matplotlib is a dev dependency
     Figure = None
 
 MODE_COLORS = {"single": "C0", "ulysses": "C1", "fpdt": "C2", "fpdt_offload": "C3"}
+PNG_NAMES = {"ulysses": "ulysses_time", "mfu": "gpu_mfu"}  # JSON stem -> PNG name, where they differ
+MIB = float(1 << 20)
 
 
-def _figure(ncols: int = 1, width: float = 6.5) -> Any:
-    fig = Figure(figsize=(width * ncols, 4.4), layout="constrained")
+def _figure(ncols: int = 1, width: float = 6.5, nrows: int = 1, height: float = 4.4) -> Any:
+    fig = Figure(figsize=(width * ncols, height), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]
-    return fig, axes
+    axes = fig.subplots(nrows, ncols, sharex=nrows > 1, squeeze=False).ravel()
+    return fig, list(axes)
 
 
 def _footer(fig: Any, data: dict[str, Any]) -> None:
     env = data.get("environment") or {}
-    when = env.get("time_utc", "?")
-    gpu = env.get("gpu")
-    machine = gpu or f"{env.get('processor', '?')}, {env.get('cpu_count', '?')} CPUs"
+    machine = env.get("gpu") or f"{env.get('processor', '?')}, {env.get('cpu_count', '?')} CPUs"
     argv = " ".join(env.get("argv") or [])
-    text = f"{when} | {machine} | torch {env.get('torch', '?')} | {argv}"
+    text = f"{env.get('time_utc', '?')} | {machine} | torch {env.get('torch', '?')} | {argv}"
     fig.get_layout_engine().set(h_pad=0.1)
     fig.supxlabel(text if len(text) < 160 else text[:157] + "...", fontsize=7, color="gray")
 
 
-def plot_ulysses(data: dict[str, Any], out: Path, stem: str) -> Path:
+def _log2_axes(
+    ax: Any, xlabel: str, ylabel: str, title: str, *, logy: bool = True, legend: str = "small"
+) -> None:
+    ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize="small")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=legend)
+
+
+def plot_ulysses(data: dict[str, Any]) -> Any:
     rows = data["results"]
     fig, (ax_t, ax_c) = _figure(2)
     for i, world in enumerate(sorted({r["P"] for r in rows})):
         rs = sorted((r for r in rows if r["P"] == world), key=lambda r: r["N"])
         n = [r["N"] for r in rs]
-        for ax, key, ds_key in (
-            (ax_t, "ours_ms", "deepspeed_ms"),
-            (ax_c, "ours_comm_ms", "deepspeed_comm_ms"),
-        ):
-            ax.plot(n, [r.get(key) for r in rs], "-o", color=f"C{i}", label=f"ours, P={world}")
-            if any(r.get(ds_key) is not None for r in rs):
-                ax.plot(
-                    n,
-                    [r.get(ds_key) for r in rs],
-                    "--s",
-                    color=f"C{i}",
-                    alpha=0.7,
-                    label=f"DeepSpeed, P={world}",
-                )
+        for ax, key in ((ax_t, "ms"), (ax_c, "comm_ms")):
+            ax.plot(n, [r.get(f"ours_{key}") for r in rs], "-o", color=f"C{i}", label=f"ours, P={world}")
+            if any(r.get(f"deepspeed_{key}") is not None for r in rs):
+                ds = [r.get(f"deepspeed_{key}") for r in rs]
+                ax.plot(n, ds, "--s", color=f"C{i}", alpha=0.7, label=f"DeepSpeed, P={world}")
     cfg = data.get("config", {})
     shape = f"b={cfg.get('batch', 1)} h={cfg.get('heads')} d={cfg.get('head_dim')} {cfg.get('dtype', '')}"
-    ax_t.set_title(f"Ulysses attention fwd+bwd, median ms ({shape})", fontsize="small")
-    ax_c.set_title("all-to-alls + layout copies only (kernel replaced by q+k+v)", fontsize="small")
-    for ax in (ax_t, ax_c):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("global sequence length N")
-        ax.set_ylabel("ms (slowest rank)")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize="x-small")
-    _footer(fig, data)
-    path = out / ("ulysses_time.png" if stem == "ulysses" else f"{stem}.png")
-    fig.savefig(path, dpi=110)
-    return path
+    for ax, title in (
+        (ax_t, f"Ulysses attention fwd+bwd, median ms ({shape})"),
+        (ax_c, "all-to-alls + layout copies only (kernel replaced by q+k+v)"),
+    ):
+        _log2_axes(ax, "global sequence length N", "ms (slowest rank)", title, legend="x-small")
+    return fig
 
 
-def plot_throughput(data: dict[str, Any], out: Path, stem: str) -> Path:
+def plot_throughput(data: dict[str, Any]) -> Any:
     rows = [r for r in data["results"] if r.get("status") == "ok" and r.get("tokens_per_sec")]
     fig, (ax_b, ax_o) = _figure(2)
     lengths = sorted({r["seq_len"] for r in rows})
-    labels, heights, colors, mfus = [], [], [], []
-    for n in lengths:
-        for r in (r for r in rows if r["seq_len"] == n):
-            chunk = f"\nc={r['chunk_size']}" if r.get("chunk_size") else ""
-            labels.append(f"{r['mode']}{chunk}" + (f"\nN={n}" if len(lengths) > 1 else ""))
-            heights.append(r["tokens_per_sec"])
-            colors.append(MODE_COLORS.get(r["mode"], "C7"))
-            mfus.append(r.get("mfu"))
-    bars = ax_b.bar(range(len(heights)), heights, color=colors)
-    for bar, mfu in zip(bars, mfus):
-        if mfu is not None:
-            ax_b.annotate(
-                f"{100 * mfu:.1f}%",
-                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                ha="center",
-                va="bottom",
-                fontsize=7,
-            )
+    rows.sort(key=lambda r: r["seq_len"])  # stable: the run order within one N
+    labels = [
+        r["mode"]
+        + (f"\nc={r['chunk_size']}" if r.get("chunk_size") else "")
+        + (f"\nN={r['seq_len']}" if len(lengths) > 1 else "")
+        for r in rows
+    ]
+    bars = ax_b.bar(range(len(rows)), [r["tokens_per_sec"] for r in rows],
+                    color=[MODE_COLORS.get(r["mode"], "C7") for r in rows])  # fmt: skip
+    for bar, r in zip(bars, rows):
+        if r.get("mfu") is not None:
+            xy = (bar.get_x() + bar.get_width() / 2, bar.get_height())
+            ax_b.annotate(f"{100 * r['mfu']:.1f}%", xy, ha="center", va="bottom", fontsize=7)
     ax_b.set_xticks(range(len(labels)), labels, fontsize=7)
     ax_b.set_ylabel("global tokens/s (label: MFU)")
-    model = data.get("model", {})
-    cfg = data.get("config", {})
+    model, cfg = data.get("model", {}), data.get("config", {})
     ax_b.set_title(
         f"Trainer steps, Llama h={model.get('hidden_size')} L={model.get('num_hidden_layers')} "
         f"V={model.get('vocab_size')}, P={cfg.get('world_size')}, N={','.join(map(str, lengths))}",
@@ -124,69 +117,63 @@ def plot_throughput(data: dict[str, Any], out: Path, stem: str) -> Path:
     for i, n in enumerate(sorted({o["seq_len"] for o in over})):
         for mode, marker in (("fpdt", "-o"), ("fpdt_offload", "s")):
             pts = sorted(
-                (o["chunk_size"], 100 * o["overhead"])
-                for o in over
-                if o["seq_len"] == n and o["mode"] == mode
+                (o["chunk_size"], 100 * o["overhead"]) for o in over if (o["seq_len"], o["mode"]) == (n, mode)
             )
             if pts:
-                ax_o.plot(
-                    *zip(*pts),
-                    marker,
-                    color=f"C{i}",
-                    label=f"{mode}, N={n}",
-                    alpha=1 if mode == "fpdt" else 0.6,
-                )
+                alpha = 1 if mode == "fpdt" else 0.6
+                ax_o.plot(*zip(*pts), marker, color=f"C{i}", label=f"{mode}, N={n}", alpha=alpha)
     ax_o.axhline(15, color="gray", linestyle=":", label="target 15%")
-    ax_o.set_xscale("log", base=2)
-    ax_o.set_xlabel("FPDT chunk size (tokens per rank)")
-    ax_o.set_ylabel("overhead over Ulysses, %")
-    ax_o.set_title("FPDT overhead = ulysses tokens/s / fpdt tokens/s - 1", fontsize="small")
-    ax_o.grid(alpha=0.3, which="both")
-    ax_o.legend(fontsize="x-small")
-    _footer(fig, data)
-    path = out / f"{stem}.png"
-    fig.savefig(path, dpi=110)
-    return path
+    title, ylabel = "FPDT overhead = ulysses tokens/s / fpdt tokens/s - 1", "overhead over Ulysses, %"
+    _log2_axes(ax_o, "FPDT chunk size (tokens per rank)", ylabel, title, logy=False, legend="x-small")
+    return fig
 
 
-def plot_memory(data: dict[str, Any], out: Path, stem: str) -> Path:
+def plot_memory(data: dict[str, Any]) -> Any:
     rows = [r for r in data.get("rows", data.get("results", [])) if r.get("status") == "ok"]
     cfg = data.get("config", {})
     fig, (ax,) = _figure(1, width=7)
     for mode in dict.fromkeys(r["mode"] for r in rows):
         rs = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["N"])
-        world = rs[0].get("P", 1)
-        label = mode if mode == "single" else f"{mode} (P={world})"
+        label = mode if mode == "single" else f"{mode} (P={rs[0].get('P', 1)})"
         style = "--o" if mode == "fpdt_offload" else "-o"
-        ax.plot(
-            [r["N"] for r in rs],
-            [r["step_mib"] for r in rs],
-            style,
-            color=MODE_COLORS.get(mode, "C7"),
-            label=label,
-        )
+        color = MODE_COLORS.get(mode, "C7")
+        ax.plot([r["N"] for r in rs], [r["step_mib"] for r in rs], style, color=color, label=label)
     if cfg.get("budget_gib"):
-        ax.axhline(
-            cfg["budget_gib"] * 1024, color="gray", linestyle=":", label=f"budget {cfg['budget_gib']:g} GiB"
-        )
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("global sequence length N")
-    ax.set_ylabel(f"step memory per rank, MiB ({data.get('measure', 'peak')})")
-    ax.set_title(
+        budget = cfg["budget_gib"]
+        ax.axhline(budget * 1024, color="gray", linestyle=":", label=f"budget {budget:g} GiB")
+    title = (
         f"one training step, Llama h={cfg.get('hidden')} L={cfg.get('layers')} V={cfg.get('vocab')}, "
-        f"FPDT chunk {cfg.get('chunk_size')}",
-        fontsize="small",
+        f"FPDT chunk {cfg.get('chunk_size')}"
     )
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize="small")
-    _footer(fig, data)
-    path = out / ("memory.png" if stem == "memory" else f"{stem}.png")
-    fig.savefig(path, dpi=110)
-    return path
+    ylabel = f"step memory per rank, MiB\n({data.get('measure', 'peak')} - before the step, max over ranks)"
+    _log2_axes(ax, "global sequence length N", ylabel, title)
+    return fig
 
 
-def plot_gpu_mfu(data: dict[str, Any], out: Path, stem: str) -> Path:
+def plot_soak(data: dict[str, Any]) -> Any:
+    fig, (top, bottom) = _figure(1, width=7, nrows=2, height=5)
+    for r in data["ranks"]:
+        steps, rank = r["steps"], r["rank"]
+        xs = [s["step"] for s in steps]
+        top.plot(xs, [s["rss_trimmed_bytes"] / MIB for s in steps], label=f"rank {rank}, after malloc_trim")
+        top.plot(xs, [s["rss_bytes"] / MIB for s in steps], ":", alpha=0.6, label=f"rank {rank}, raw")
+        bottom.plot(
+            xs, [s["offloaded_before_backward"] / MIB for s in steps], label=f"rank {rank}, before backward"
+        )
+        bottom.plot(xs, [s["offloaded_bytes"] / MIB for s in steps], "--", label=f"rank {rank}, after step")
+    fit_from = data["config"]["fit_from"]
+    top.axvline(fit_from, color="gray", linestyle=":", label=f"slope fit from step {fit_from}")
+    top.set_ylabel("RSS, MiB")
+    top.set_title("FPDT + offload soak (sp=2, CPU/gloo)", fontsize="small")
+    bottom.set_ylabel("offloaded_bytes(), MiB")
+    bottom.set_xlabel("optimizer step")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return fig
+
+
+def plot_gpu_mfu(data: dict[str, Any]) -> Any:
     rows = data["results"]
     ok = [r for r in rows if r.get("status") == "ok"]
     fig, (ax,) = _figure(1, width=7)
@@ -201,26 +188,30 @@ def plot_gpu_mfu(data: dict[str, Any], out: Path, stem: str) -> Path:
     for r in rows:
         if r.get("status") != "ok":
             ax.axvline(r["seq_len"], color="C3", linestyle=":", label=f"N={r['seq_len']}: {r.get('status')}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length N (one GPU)")
-    ax.set_ylabel("MFU, % of dense bf16 peak")
     params = data.get("parameters")
-    size = f"{params / 1e9:.2f}B" if params else "~1B"
-    ax.set_title(f"{size} Llama, bf16, Ulysses mode (SDPA), P=1", fontsize="small")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize="small")
-    _footer(fig, data)
-    path = out / ("gpu_mfu.png" if stem in ("mfu", "gpu_mfu") else f"{stem}.png")
-    fig.savefig(path, dpi=110)
-    return path
+    title = f"{f'{params / 1e9:.2f}B' if params else '~1B'} Llama, bf16, Ulysses mode (SDPA), P=1"
+    _log2_axes(ax, "sequence length N (one GPU)", "MFU, % of dense bf16 peak", title, logy=False)
+    return fig
 
 
-PLOTS: dict[str, Callable[[dict[str, Any], Path, str], Path]] = {
+PLOTS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "ulysses_attention": plot_ulysses,
     "throughput": plot_throughput,
     "memory": plot_memory,
+    "soak": plot_soak,
     "gpu_mfu": plot_gpu_mfu,
 }
+
+
+def save_plot(data: dict[str, Any], path: str | Path) -> Path | None:
+    """Draw the result ``data`` (by its ``benchmark`` field) into the PNG ``path``; None without matplotlib."""
+    if Figure is None:
+        print("matplotlib is not installed (`pip install matplotlib`): no plot")
+        return None
+    fig = PLOTS[data["benchmark"]](data)
+    _footer(fig, data)
+    fig.savefig(path, dpi=110)
+    return Path(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,12 +235,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skip {path}: unreadable ({e})")
             continue
         kind = data.get("benchmark") if isinstance(data, dict) else None
-        plot = PLOTS.get(kind)
-        if plot is None:
+        if kind not in PLOTS:
             print(f"skip {path}: no plot for benchmark {kind!r}")
             continue
         try:
-            print(f"{path} -> {plot(data, args.out, path.stem)}")
+            print(f"{path} -> {save_plot(data, args.out / f'{PNG_NAMES.get(path.stem, path.stem)}.png')}")
         except (KeyError, TypeError, ValueError, IndexError) as e:
             failed += 1
             print(f"FAILED {path} ({kind}): {type(e).__name__}: {e}")

@@ -6,14 +6,8 @@
 #   bash benchmarks/gpu/check.sh OUTDIR            # on the GPU machine
 #   DEVICE=cpu bash benchmarks/gpu/check.sh OUTDIR # dry run of the whole script on a CPU, toy sizes
 #
-# Writes 6 files into OUTDIR: check.log (everything printed), pytest.log, pytest.xml (junit),
-# mfu.json, fit.json, summary.json. Stages (each under `timeout`; a failed stage does not stop the next):
-#   1. env: versions of torch/triton/transformers/lightning/torchmetrics/jsonargparse, package import
-#   2. tests: pytest -m cuda tests/ (tests/test_gpu.py)
-#   3. mfu: Ulysses (SDPA) training steps at 32K..256K tokens, checkpointing as needed, stop at 1st OOM
-#   4. fit: FPDT + offload, doubling from 64K, one process per length, within a time budget
-#   5. summary: summary.json (MFU table, largest fit, FPDT overhead over Ulysses at equal N)
-# Knobs (environment): PYTHON, DEVICE, TEST_TIMEOUT, MFU_BUDGET, FIT_BUDGET, SEQ_LENS, FIT_START, TOTAL_BUDGET.
+# Writes check.log, pytest.log, pytest.xml, mfu.json, fit.json, summary.json into OUTDIR. Stages (each
+# under `timeout`; a failed stage does not stop the next) and knobs: see benchmarks/README.md.
 set -u
 
 OUT=${1:?usage: bash benchmarks/gpu/check.sh OUTDIR}

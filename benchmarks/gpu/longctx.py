@@ -1,10 +1,7 @@
 """Long-context training steps of a ~1B Llama on ONE GPU (P = 1): MFU by length, largest FPDT fit.
 
-Three subcommands (``check.sh`` runs the first two; ``fit`` launches ``step`` once per length):
-
     python benchmarks/gpu/longctx.py mfu --seq-lens 32768 65536 131072 262144 --budget-s 150 --out OUT/mfu.json
     python benchmarks/gpu/longctx.py fit --start 65536 --budget-s 180 --out OUT/fit.json
-    python benchmarks/gpu/longctx.py step --mode fpdt --offload --seq-len 65536 --out /tmp/step.json
 
 Model: Llama shape, hidden 2048, 16 layers, 16 heads (head_dim 128), 8 kv heads, intermediate 5632,
 vocab 32000 (~0.9B parameters), bf16 weights, fused AdamW; one sample of N tokens per step, random
@@ -16,93 +13,57 @@ all-to-alls are identities, the kernels and tiling are the ones used at any P):
   ``(N, 32000)`` logits tensor would dominate memory). Lengths in order; each first without activation
   checkpointing, and on OOM again with it (``as needed``); the first OOM with checkpointing stops the
   sweep. MFU = ``flops_per_token(config, N) * N / step_s / peak`` (causal attention counted half,
-  recomputation never counted), peak = the data-sheet dense bf16 FLOP/s (989e12 for an H200).
+  recomputation never counted), peak = the data-sheet dense bf16 FLOP/s of ``lightning_longctx.flops``
+  (989e12 for an H200; a GPU not in that table: its measured bf16 matmul).
 * ``fit`` (mode ``fpdt`` + ``offload``): doubling search from ``--start``, one fresh process per length
-  (an OOM of the GPU or of pinned host memory can't poison the next try), stopping at the first
-  failure, or when the next length's predicted time (4x the last: attention is quadratic) exceeds
-  what is left of ``--budget-s``. The peak GPU memory of the lengths that ran gives a linear estimate
-  of the largest length that would fit (FPDT's memory is linear in N), labelled as an estimate.
+  (``common.launch``: an OOM of the GPU or of pinned host memory can't poison the next try), stopping
+  at the first failure, or when the next length's predicted time (4x the last: attention is quadratic)
+  exceeds what is left of ``--budget-s``. The peak GPU memory of the lengths that ran gives a linear
+  estimate of the largest length that would fit (FPDT's memory is linear in N), labelled as an estimate.
+  ``--start N --max-len N`` runs one length.
 
-Every subcommand writes its JSON after each length, so a run killed by ``timeout`` keeps what it
-measured. ``--device cpu --tiny`` runs the same logic at toy sizes on a CPU (a dry run of the script).
+Both write their JSON after each length, so a run killed by ``timeout`` keeps what it measured.
+``--device cpu --tiny`` runs the same logic at toy sizes on a CPU (a dry run of the script).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
-import json
-import platform
 import resource
-import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # the package is used from the source tree, not installed
-    sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the package from the source tree; common.py
 
-MODEL_1B = dict(
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=16,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    vocab_size=32000,
+from common import GIB, environment, launch, linear_fit, meminfo_bytes, write_json  # noqa: E402
+
+SHAPE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+         "vocab_size")  # fmt: skip
+MODEL_1B = dict(zip(SHAPE, (2048, 5632, 16, 16, 8, 32000)))
+MODEL_TINY = dict(zip(SHAPE, (64, 128, 2, 4, 2, 512)))
+SDPA_BACKENDS = dict(
+    flash="FLASH_ATTENTION", cudnn="CUDNN_ATTENTION", efficient="EFFICIENT_ATTENTION", math="MATH"
 )
-MODEL_TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-)
-H200_BF16_PEAK = 989e12
-
-
-# ---------------------------------------------------------------------------------------------------
-# shared pieces
-# ---------------------------------------------------------------------------------------------------
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    import transformers
-
-    env: dict[str, Any] = {
-        "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "argv": sys.argv,
-    }
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        env.update(
-            gpu=props.name,
-            gpu_memory_gib=round(props.total_memory / 2**30, 1),
-            sms=props.multi_processor_count,
-        )
-    return env
 
 
 def peak_flops(device: torch.device) -> tuple[float, str]:
+    """Dense bf16 peak of the GPU from the package's table (else its measured bf16 matmul); CPU: fp32."""
     from lightning_longctx.flops import get_peak_flops, measure_peak_flops
 
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = get_peak_flops(name, "bf16")
-        if peak is not None:
-            return peak, f"table: {name} bf16 dense"
-        return H200_BF16_PEAK, f"assumed H200 bf16 dense ({name} not in the table)"
-    return measure_peak_flops(device, "fp32"), "measured: cpu fp32 matmul (dry run)"
+    if device.type != "cuda":
+        return measure_peak_flops(device, "fp32"), "measured: cpu fp32 matmul (dry run)"
+    name = torch.cuda.get_device_name(device)
+    peak = get_peak_flops(name, "bf16")
+    if peak is None:
+        return measure_peak_flops(device, "bf16"), f"measured: bf16 matmul ({name} not in the table)"
+    return peak, f"table: {name} bf16 dense"
 
 
 def build_model(args: argparse.Namespace, device: torch.device, max_len: int) -> torch.nn.Module:
@@ -111,14 +72,8 @@ def build_model(args: argparse.Namespace, device: torch.device, max_len: int) ->
     from lightning_longctx import enable_sequence_parallel
 
     shape = MODEL_TINY if args.tiny else MODEL_1B
-    config = AutoConfig.for_model(
-        "llama",
-        **shape,
-        max_position_embeddings=max_len,
-        tie_word_embeddings=False,
-        attention_dropout=0.0,
-        use_cache=False,
-    )
+    config = AutoConfig.for_model("llama", **shape, max_position_embeddings=max_len, tie_word_embeddings=False,
+                                  attention_dropout=0.0, use_cache=False)  # fmt: skip
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -131,18 +86,10 @@ def build_model(args: argparse.Namespace, device: torch.device, max_len: int) ->
     return model
 
 
-def set_checkpointing(model: torch.nn.Module, on: bool) -> None:
-    if on:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_disable()
-
-
 def make_batch(n: int, vocab: int, device: torch.device, chunk: int | None) -> dict[str, torch.Tensor]:
     from lightning_longctx import shard_batch
 
-    g = torch.Generator().manual_seed(n)
-    ids = torch.randint(1, vocab, (1, n), generator=g).to(device)
+    ids = torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
     return shard_batch({"input_ids": ids, "labels": ids}, group=None, chunk_size=chunk)
 
 
@@ -162,9 +109,8 @@ class Stepper:
         hidden = self.model.model(
             input_ids=batch["input_ids"], position_ids=batch["position_ids"]
         ).last_hidden_state
-        return chunked_lm_head_cross_entropy(
-            hidden, self.model.lm_head.weight, batch["shift_labels"], chunk_size=self.args.loss_chunk
-        )
+        labels, weight = batch["shift_labels"], self.model.lm_head.weight
+        return chunked_lm_head_cross_entropy(hidden, weight, labels, chunk_size=self.args.loss_chunk)
 
     def __call__(self, batch: dict[str, torch.Tensor], *, simulate_oom: bool = False) -> float:
         from lightning_longctx.attention.offload import offloaded_bytes
@@ -194,19 +140,12 @@ class Stepper:
 
 
 def sdpa_context(name: str) -> Any:
-    from contextlib import nullcontext
-
+    """Force one SDPA backend (``SDPA_BACKENDS``); ``"auto"`` lets PyTorch pick."""
     if name == "auto":
-        return nullcontext()
+        return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backends = {
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "math": SDPBackend.MATH,
-    }
-    return sdpa_kernel([backends[name]])
+    return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[name])])
 
 
 def sdpa_kernel_names(device: torch.device, head_dim: int, backend: str) -> list[str]:
@@ -229,90 +168,89 @@ def sdpa_kernel_names(device: torch.device, head_dim: int, backend: str) -> list
         return [f"profiler failed: {type(e).__name__}: {e}"[:200]]
 
 
-def write(path: str, payload: dict[str, Any]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(path + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(path)
-
-
 def measure_length(
-    stepper: Stepper,
-    model: torch.nn.Module,
-    n: int,
-    args: argparse.Namespace,
-    device: torch.device,
-    ckpt: bool,
+    stepper: Stepper, n: int, args: argparse.Namespace, ckpt: bool
 ) -> tuple[dict[str, Any], bool]:
     """Steps at length ``n``: the first step, then ``--steps`` more when the first took < ``--quick-s``.
 
     Checkpointing ``ckpt`` first; on OOM without it, again with it. Returns (row, checkpointing now)."""
-    vocab = model.config.vocab_size
+    model, device = stepper.model, stepper.device
     chunk = min(args.chunk_size, n) if args.mode == "fpdt" else None
     row: dict[str, Any] = {"seq_len": n}
-    attempts = [ckpt] if ckpt else [False, True]
-    for use_ckpt in attempts:
-        set_checkpointing(model, use_ckpt)
+    for use_ckpt in [ckpt] if ckpt else [False, True]:
+        if use_ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         fake = args.simulate_oom_above is not None and n > args.simulate_oom_above * (2 if use_ckpt else 1)
         error = None
         try:
-            batch = make_batch(n, vocab, device, chunk)
+            batch = make_batch(n, model.config.vocab_size, device, chunk)
             with sdpa_context(args.sdpa_backend):
                 times = [stepper(batch, simulate_oom=fake)]
                 if times[0] < args.quick_s:
                     times += [stepper(batch) for _ in range(args.steps)]
         except Exception as e:  # OOM is an outcome to record; anything else too
-            error = e
-        if error is None:
-            measured = times[1:] if len(times) > 1 else times
-            step_s = sorted(measured)[len(measured) // 2]
-            row.update(
-                status="ok",
-                activation_checkpointing=use_ckpt,
-                step_s=[round(t, 4) for t in times],
-                first_step_only=len(times) == 1,
-                measured_step_s=round(step_s, 4),
-            )
-            if device.type == "cuda":
-                row["max_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-                row["max_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
-            del batch
-            return row, use_ckpt
-        msg = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-        del error
-        stepper.recover()
-        row.setdefault("attempts", []).append({"activation_checkpointing": use_ckpt, "error": msg})
-        if not oom_msg(msg):
-            row["status"] = "error"
-            return row, use_ckpt
-    row["status"] = "oom"
-    return row, True
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        if error is not None:  # out of the except block: the traceback no longer holds the step's tensors
+            stepper.recover()
+            row.setdefault("attempts", []).append({"activation_checkpointing": use_ckpt, "error": error})
+            if "OutOfMemoryError" in error or "out of memory" in error.lower():
+                continue
+            return {**row, "status": "error"}, use_ckpt
+        measured = times[1:] if len(times) > 1 else times
+        row.update(
+            status="ok",
+            activation_checkpointing=use_ckpt,
+            step_s=[round(t, 4) for t in times],
+            first_step_only=len(times) == 1,
+            measured_step_s=round(sorted(measured)[len(measured) // 2], 4),
+        )
+        if device.type == "cuda":
+            row["max_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / GIB, 2)
+            row["max_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / GIB, 2)
+        return row, use_ckpt
+    return {**row, "status": "oom"}, True
 
 
-def oom_msg(msg: str) -> bool:
-    return "OutOfMemoryError" in msg or "out of memory" in msg.lower()
-
-
-def add_rates(row: dict[str, Any], model: torch.nn.Module, peak: float) -> None:
+def add_rates(row: dict[str, Any], config: Any, peak: float) -> None:
     from lightning_longctx.flops import flops_per_token
 
     n = row["seq_len"]
-    fpt = flops_per_token(model.config, n)
-    row["flops_per_token"] = fpt
+    fpt = row["flops_per_token"] = flops_per_token(config, n)
     if row.get("status") == "ok":
         row["tokens_per_sec"] = round(n / row["measured_step_s"], 1)
         row["tflops"] = round(fpt * n / row["measured_step_s"] / 1e12, 2)
         row["mfu"] = round(fpt * n / row["measured_step_s"] / peak, 4)
 
 
-# ---------------------------------------------------------------------------------------------------
-# mfu: Ulysses (SDPA) by length, in one process
-# ---------------------------------------------------------------------------------------------------
+def _summary(row: dict[str, Any]) -> str:
+    if row.get("status") != "ok":
+        return f"{row.get('status')}: {row.get('attempts', row.get('reason', row.get('error', '')))}"
+    mem = f", max allocated {row['max_allocated_gib']} GiB" if "max_allocated_gib" in row else ""
+    return (
+        f"step {row['measured_step_s']:.3f}s (steps {row['step_s']}), {row['tokens_per_sec']:.0f} tokens/s, "
+        f"{row['tflops']} TFLOP/s, MFU {100 * row['mfu']:.1f}%, ckpt={row['activation_checkpointing']}{mem}"
+    )
+
+
+def _out_of_time(payload: dict[str, Any], n: int, step_s: float, extra_s: float, left: float,
+                 args: argparse.Namespace, status: str) -> bool:  # fmt: skip
+    """True (and a row saying so) when length ``n``, whose first step may take ``step_s``, won't fit in
+    ``left`` seconds: ``extra_s`` to start + the first step + ``--steps`` more if that one is quick."""
+    predicted = extra_s + step_s * (1 if step_s >= args.quick_s else 1 + args.steps)
+    if predicted <= left:
+        return False
+    reason = f"predicted {predicted:.0f}s > {left:.0f}s left"
+    payload["results"].append({"seq_len": n, "status": status, "reason": reason})
+    print(f"  N={n}: {status} ({reason})", flush=True)
+    return True
 
 
 def cmd_mfu(args: argparse.Namespace) -> int:
+    """Ulysses (SDPA) by length, all in this process."""
     t_start = time.perf_counter()
     device = torch.device(args.device)
     peak, peak_source = peak_flops(device)
@@ -324,66 +262,40 @@ def cmd_mfu(args: argparse.Namespace) -> int:
         "mode": args.mode,
         "sdpa_backend": args.sdpa_backend,
         "sdpa_kernels": sdpa_kernel_names(device, head_dim, args.sdpa_backend),
-        "model": {k: getattr(model.config, k) for k in MODEL_1B},
+        "model": {k: getattr(model.config, k) for k in SHAPE},
         "parameters": sum(p.numel() for p in model.parameters()),
         "dtype": "bfloat16 weights, fused AdamW",
         "loss": f"chunked_lm_head_cross_entropy, chunk {args.loss_chunk}",
         "peak_flops": peak,
         "peak_source": peak_source,
-        "environment": environment(device),
+        "environment": environment(),
         "budget_s": args.budget_s,
         "results": [],
     }
-    print(
-        f"mfu: {payload['parameters'] / 1e9:.2f}B parameters, SDPA kernels {payload['sdpa_kernels']}",
-        flush=True,
-    )
+    params, kernels = payload["parameters"], payload["sdpa_kernels"]
+    print(f"mfu: {params / 1e9:.2f}B parameters, SDPA kernels {kernels}", flush=True)
     ckpt, last = False, None  # (seq_len, step seconds) of the last length that ran
     for n in args.seq_lens:
         left = args.budget_s - (time.perf_counter() - t_start)
-        if last is not None:
-            step = last[1] * (n / last[0]) ** 2  # attention is quadratic: an upper bound
-            predicted = step * (1 if step >= args.quick_s else 1 + args.steps)
-            if predicted > left:
-                payload["results"].append(
-                    {
-                        "seq_len": n,
-                        "status": "skipped",
-                        "reason": f"predicted {predicted:.0f}s > {left:.0f}s left",
-                    }
-                )
-                print(f"  N={n}: skipped (predicted {predicted:.0f}s > {left:.0f}s left)", flush=True)
+        if last is not None:  # attention is quadratic: (n / last n)^2 x the last step is an upper bound
+            if _out_of_time(payload, n, last[1] * (n / last[0]) ** 2, 0.0, left, args, "skipped"):
                 break
-        row, ckpt = measure_length(stepper, model, n, args, device, ckpt)
-        add_rates(row, model, peak)
+        row, ckpt = measure_length(stepper, n, args, ckpt)
+        add_rates(row, model.config, peak)
         payload["results"].append(row)
         payload["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-        write(args.out, payload)
+        write_json(args.out, payload)
         print(f"  N={n}: {_summary(row)}", flush=True)
         if row["status"] != "ok":
             break
         last = (n, row["measured_step_s"])
     payload["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    write(args.out, payload)
+    write_json(args.out, payload)
     return 0
 
 
-def _summary(row: dict[str, Any]) -> str:
-    if row.get("status") != "ok":
-        return f"{row.get('status')}: {row.get('attempts', row.get('reason', ''))}"
-    mem = f", max allocated {row['max_allocated_gib']} GiB" if "max_allocated_gib" in row else ""
-    return (
-        f"step {row['measured_step_s']:.3f}s (steps {row['step_s']}), {row['tokens_per_sec']:.0f} tokens/s, "
-        f"{row['tflops']} TFLOP/s, MFU {100 * row['mfu']:.1f}%, ckpt={row['activation_checkpointing']}{mem}"
-    )
-
-
-# ---------------------------------------------------------------------------------------------------
-# step: one length in this process (used by fit)
-# ---------------------------------------------------------------------------------------------------
-
-
-def cmd_step(args: argparse.Namespace) -> int:
+def run_length(args: argparse.Namespace) -> dict[str, Any]:
+    """One length of ``fit`` (FPDT + offload), in a process launched for it; the row."""
     device = torch.device(args.device)
     if args.tf32:
         torch.set_float32_matmul_precision("high")  # FPDT's fp32 block matmuls; exact for bf16 q, k
@@ -391,39 +303,22 @@ def cmd_step(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model = build_model(args, device, args.seq_len)
     stepper = Stepper(model, args, device)
-    row, _ = measure_length(stepper, model, args.seq_len, args, device, args.checkpointing)
-    add_rates(row, model, peak)
+    row, _ = measure_length(stepper, args.seq_len, args, args.checkpointing)
+    add_rates(row, model.config, peak)
     row.update(
         mode=args.mode,
         offload=args.offload,
         chunk_size=args.chunk_size,
         float32_matmul_precision=torch.get_float32_matmul_precision(),
-        host_offloaded_gib=round(stepper.host_bytes_after_forward / 2**30, 2),
+        host_offloaded_gib=round(stepper.host_bytes_after_forward / GIB, 2),
         max_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         peak_flops=peak,
         peak_source=peak_source,
         wall_s=round(time.perf_counter() - t0, 1),
     )
     if device.type == "cuda":
-        row["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
-    write(args.out, row)
-    print(f"  N={args.seq_len}: {_summary(row)}, host offload {row['host_offloaded_gib']} GiB", flush=True)
-    return 0
-
-
-# ---------------------------------------------------------------------------------------------------
-# fit: doubling search, one process per length
-# ---------------------------------------------------------------------------------------------------
-
-
-def host_memory_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return None
+        row["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / GIB, 1)
+    return row
 
 
 def estimate_limit(rows: list[dict[str, Any]], key: str, capacity: float | None) -> dict[str, Any] | None:
@@ -431,20 +326,20 @@ def estimate_limit(rows: list[dict[str, Any]], key: str, capacity: float | None)
     pts = [(r["seq_len"], r[key]) for r in rows if r.get("status") == "ok" and r.get(key) is not None]
     if len(pts) < 2 or not capacity:
         return None
-    (n0, m0), (n1, m1) = pts[-2], pts[-1]
-    slope = (m1 - m0) / (n1 - n0)
+    a, slope = linear_fit(*zip(*pts[-2:]))
     if slope <= 0:
         return None
-    n_max = n1 + (0.95 * capacity - m1) / slope
+    n_max = int((0.95 * capacity - a) / slope)
     return {
         "from": key,
         "capacity_gib": round(capacity, 1),
         "gib_per_1k_tokens": round(slope * 1024, 4),
-        "max_seq_len": int(n_max),
+        "max_seq_len": n_max,
     }
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
+    """Largest FPDT + offload length: doubling, one fresh process per length."""
     t_start = time.perf_counter()
     payload: dict[str, Any] = {
         "benchmark": "gpu_fpdt_offload_fit",
@@ -453,78 +348,50 @@ def cmd_fit(args: argparse.Namespace) -> int:
         "chunk_size": args.chunk_size,
         "tf32": args.tf32,
         "budget_s": args.budget_s,
-        "environment": environment(torch.device(args.device)),
+        "environment": environment(),
         "results": [],
     }
     n, ckpt, last = args.start, args.checkpointing, None
     while n <= args.max_len:
         left = args.budget_s - (time.perf_counter() - t_start)
-        if last is not None:  # (seq_len, first step s, process start-up s) of the last length
-            step = last[1] * 4  # attention is quadratic in N: an upper bound
-            predicted = last[2] + step * (1 if step >= args.quick_s else 1 + args.steps)
-            if predicted > left:
-                payload["results"].append(
-                    {
-                        "seq_len": n,
-                        "status": "not tried",
-                        "reason": f"predicted {predicted:.0f}s > {left:.0f}s left",
-                    }
-                )
-                print(f"  N={n}: not tried (predicted {predicted:.0f}s > {left:.0f}s left)", flush=True)
-                break
-        out = f"{args.out}.{n}.tmp.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "step", "--mode", "fpdt", "--offload"]
-        cmd += ["--seq-len", str(n), "--chunk-size", str(args.chunk_size), "--steps", str(args.steps)]
-        cmd += ["--quick-s", str(args.quick_s), "--device", args.device, "--out", out]
-        cmd += ["--checkpointing"] * ckpt + ["--tf32"] * args.tf32 + ["--tiny"] * args.tiny
-        if args.simulate_oom_above is not None:
-            cmd += ["--simulate-oom-above", str(args.simulate_oom_above)]
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, timeout=max(left, 1), capture_output=True, text=True)
-            log = proc.stdout + proc.stderr
-            row = json.loads(Path(out).read_text()) if Path(out).exists() else None
-            if row is None:
-                row = {"seq_len": n, "status": "crash", "exit": proc.returncode, "log_tail": log[-1500:]}
-        except subprocess.TimeoutExpired as e:
-            log = (
-                (e.stdout or b"").decode(errors="replace")
-                if isinstance(e.stdout, bytes)
-                else (e.stdout or "")
-            )
+        # last = (first step s, start-up s) of the last length; attention is quadratic: 4x is an upper bound
+        if last is not None and _out_of_time(payload, n, last[0] * 4, last[1], left, args, "not tried"):
+            break
+        length = argparse.Namespace(
+            **{**vars(args), "mode": "fpdt", "offload": True, "seq_len": n, "checkpointing": ckpt}
+        )
+        run = launch(run_length, 1, length, threads=None, timeout_s=max(left, 1))
+        if run.error is None:
+            row = run.results[0]
+        elif run.timed_out:
             row = {"seq_len": n, "status": "timeout", "reason": f"no result within the {left:.0f}s left"}
-        finally:
-            Path(out).unlink(missing_ok=True)
-        sys.stdout.write(log)
-        row["process_s"] = round(time.perf_counter() - t0, 1)
+        else:  # the process died: a crash, or the kernel's OOM killer
+            row = {"seq_len": n, "status": "crash", "error": run.error, "log_tail": run.log[-1500:]}
+        row["process_s"] = round(run.wall_s, 1)
+        print(f"  N={n}: {_summary(row)}, host offload {row.get('host_offloaded_gib')} GiB", flush=True)
         payload["results"].append(row)
         payload["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-        write(args.out, payload)
+        write_json(args.out, payload)
         if row.get("status") != "ok":
             break
         ckpt = bool(row.get("activation_checkpointing"))
-        last = (n, row["step_s"][0], max(row["process_s"] - sum(row["step_s"]), 0.0))
+        last = (row["step_s"][0], max(row["process_s"] - sum(row["step_s"]), 0.0))
         n *= 2
     ok = [r for r in payload["results"] if r.get("status") == "ok"]
     payload["largest_fit"] = max((r["seq_len"] for r in ok), default=None)
     stop = payload["results"][-1] if payload["results"] else {}
     payload["stopped_by"] = stop.get("status") if stop.get("status") != "ok" else "max_len"
-    gpu_cap = ok[-1].get("gpu_memory_gib") if ok else None
     payload["estimated_limits"] = {
-        "gpu": estimate_limit(ok, "max_reserved_gib", gpu_cap),
-        "host_offload": estimate_limit(ok, "host_offloaded_gib", (host_memory_gib() or 0) * 0.8 or None),
+        "gpu": estimate_limit(ok, "max_reserved_gib", ok[-1].get("gpu_memory_gib") if ok else None),
+        "host_offload": estimate_limit(
+            ok, "host_offloaded_gib", meminfo_bytes("MemTotal") / GIB * 0.8 or None
+        ),
     }
     payload["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    write(args.out, payload)
-    print(
-        f"fit: largest N that ran = {payload['largest_fit']}, stopped by {payload['stopped_by']}, "
-        f"estimates {payload['estimated_limits']}",
-        flush=True,
-    )
+    write_json(args.out, payload)
+    print(f"fit: largest N that ran = {payload['largest_fit']}, stopped by {payload['stopped_by']}, "
+          f"estimates {payload['estimated_limits']}", flush=True)  # fmt: skip
     return 0
-
-
-# ---------------------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -541,9 +408,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     common.add_argument(
         "--quick-s", type=float, default=15.0, help="first step shorter than this: run --steps more"
     )
-    common.add_argument(
-        "--sdpa-backend", choices=("auto", "flash", "cudnn", "efficient", "math"), default="auto"
-    )
+    common.add_argument("--sdpa-backend", choices=("auto", *SDPA_BACKENDS), default="auto")
     common.add_argument("--simulate-oom-above", type=int, help=argparse.SUPPRESS)  # dry run of the OOM path
     common.add_argument("--out", required=True)
 
@@ -557,13 +422,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--budget-s", type=float, default=180)
     f.add_argument("--checkpointing", action="store_true", help="start with activation checkpointing on")
     f.add_argument("--no-tf32", dest="tf32", action="store_false", help="FPDT block matmuls in full fp32")
-
-    s = sub.add_parser("step", parents=[common], help="one length in this process")
-    s.add_argument("--mode", choices=("ulysses", "fpdt"), default="fpdt")
-    s.add_argument("--offload", action="store_true")
-    s.add_argument("--seq-len", type=int, required=True)
-    s.add_argument("--checkpointing", action="store_true")
-    s.add_argument("--tf32", action="store_true")
     args = p.parse_args(argv)
     if args.cmd == "mfu":
         args.mode, args.offload = "ulysses", False
@@ -572,7 +430,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return {"mfu": cmd_mfu, "fit": cmd_fit, "step": cmd_step}[args.cmd](args)
+    return {"mfu": cmd_mfu, "fit": cmd_fit}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -9,48 +9,21 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata as md
 import json
-import platform
 import sys
-from datetime import datetime, timezone
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = (
-    "torch",
-    "triton",
-    "transformers",
-    "lightning",
-    "pytorch-lightning",
-    "torchmetrics",
-    "jsonargparse",
-)
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the package from the source tree; common.py
+
+from common import environment  # noqa: E402
 
 
 def probe() -> dict[str, Any]:
-    env: dict[str, Any] = {
-        "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "executable": sys.executable,
-    }
-    for name in PACKAGES:
-        try:
-            env[name] = md.version(name)
-        except md.PackageNotFoundError:
-            env[name] = None
-    try:
-        import torch
-
-        env["cuda_available"] = torch.cuda.is_available()
-        if torch.cuda.is_available():
-            env["gpu"] = torch.cuda.get_device_name(0)
-            env["torch_cuda"] = torch.version.cuda
-            env["cudnn"] = torch.backends.cudnn.version()
-    except Exception as e:
-        env["torch_error"] = repr(e)
-    sys.path.insert(0, str(ROOT))
+    """``common.environment()`` (versions, GPU) and whether the package imports."""
+    env = {**environment(), "executable": sys.executable}
     try:
         importlib.import_module("lightning_longctx")
         env["lightning_longctx_import"] = "ok"
@@ -68,8 +41,6 @@ def _load(path: Path) -> dict[str, Any] | None:
 
 def junit_counts(path: Path) -> dict[str, Any] | None:
     """Totals of a pytest junit XML, and the ids of failed tests and collection errors."""
-    import xml.etree.ElementTree as ET
-
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError):
