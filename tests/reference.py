@@ -6,9 +6,12 @@ import torch
 
 
 def reference_attention(
-    q, k, v, *, causal=True, position_ids=None, scale=None, sliding_window=None, softcap=None
+    q, k, v, *, causal=True, position_ids=None, scale=None, sliding_window=None, softcap=None, sinks=None
 ):
-    """Naive attention over the FULL sequence. q (b, N, h, d), k/v (b, N, h_kv, d) -> (b, N, h, d)."""
+    """Naive attention over the FULL sequence. q (b, N, h, d), k/v (b, N, h_kv, d) -> (b, N, h, d).
+
+    ``sinks`` (h,): gpt-oss's eager formula — the sinks are one extra column of the scores, the row max
+    is subtracted, softmax, and the column is dropped (it carries no value)."""
     b, n, h, d = q.shape
     group = h // k.shape[2]
     kv_index = torch.arange(h) // group  # query head i reads kv head i // group
@@ -33,6 +36,11 @@ def reference_attention(
                 doc[bi, t] = cur
         allowed &= doc[:, :, None] == doc[:, None, :]
     s = s.masked_fill(~allowed[:, None], float("-inf"))
+    if sinks is not None:
+        col = sinks.to(s.dtype).reshape(1, h, 1, 1).expand(b, h, n, 1)
+        s = torch.cat([s, col], dim=-1)
+        s = s - s.max(dim=-1, keepdim=True).values
+        return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1)[..., :-1], v)
     p = torch.softmax(s, dim=-1)
     return torch.einsum("bhqk,bkhd->bqhd", p, v)
 

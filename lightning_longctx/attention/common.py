@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_longctx.comm import Group, group_rank_size, head_split
+
 
 @dataclass(frozen=True)
 class MaskSpec:
@@ -121,3 +123,42 @@ def spread_kv_heads(
     if f == 1:
         return k, v
     return k.repeat_interleave(f, dim=2), v.repeat_interleave(f, dim=2)
+
+
+def check_softcap(softcap: float | None) -> None:
+    """``softcap`` is ``None`` (off) or a positive cap; 0 or a negative value is a user error, not "off"."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(
+            f"softcap must be a positive logit cap (scores become softcap * tanh(scores / softcap)), got "
+            f"{softcap!r}; pass softcap=None to turn soft-capping off"
+        )
+
+
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """``sinks`` is ``None`` or one float logit per GLOBAL query head, ``(h,)``, on q's device."""
+    if sinks is None:
+        return
+    h = q.shape[2]
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a tensor of shape ({h},), got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (h,):
+        raise ValueError(
+            f"sinks must have shape (num_heads,) = ({h},): one logit per GLOBAL query head, got "
+            f"{tuple(sinks.shape)}; pass the attention module's whole sinks parameter (gpt-oss `s_aux`), "
+            "not a per-rank slice: each rank picks the heads it owns after the all-to-all"
+        )
+    if not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a floating-point tensor, got dtype {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(
+            f"sinks is on {sinks.device} but q is on {q.device}; move it with sinks.to(q.device) (or keep the "
+            "module that owns it on the same device as the activations)"
+        )
+
+
+def local_heads(num_heads: int, group: Group) -> slice:
+    """The global query heads this rank owns after the seq->head all-to-all (``comm.head_split``)."""
+    rank, world = group_rank_size(group)
+    splits = head_split(num_heads, world)
+    start = sum(splits[:rank])
+    return slice(start, start + splits[rank])

@@ -15,6 +15,11 @@ Backward: outer loop over kv segments j, inner over q segments i it reaches (i â
 ``block_backward`` recomputes the block's probabilities from the saved lse; dk/dv/dq accumulate in
 fp32 in fresh buffers (never in-place into saved tensors). A gradient leaves through the inverse
 all-to-all as soon as it is final.
+
+Attention sinks fold into each q segment's final ``(out, lse)`` after the online softmax
+(``merge_sinks``); the saved lse is the sink-aware total, so the recomputed probabilities, delta and
+dq/dk/dv are exact with no other change, and the sinks' own gradient is ``sink_grad`` per segment.
+Soft-capping lives in the blocks (``block_forward`` / ``block_backward``).
 """
 
 from __future__ import annotations
@@ -27,13 +32,23 @@ import torch
 from lightning_longctx.attention.common import (
     MaskSpec,
     check_qkv,
+    check_sinks,
+    check_softcap,
     compute_dtype,
     default_scale,
     doc_ids,
     has_resets,
+    local_heads,
     spread_kv_heads,
 )
-from lightning_longctx.attention.kernels import block_backward, block_forward, merge_blocks, resolve_backend
+from lightning_longctx.attention.kernels import (
+    block_backward,
+    block_forward,
+    merge_blocks,
+    merge_sinks,
+    resolve_backend,
+    sink_grad,
+)
 from lightning_longctx.attention.offload import ChunkStore
 from lightning_longctx.comm import Group, group_rank_size, head_to_seq_no_grad, seq_to_head_no_grad
 from lightning_longctx.sharding import gather_sequence
@@ -129,6 +144,7 @@ class _Config:
     scale: float
     plan: BlockPlan
     offload: bool
+    softcap: float | None = None
 
 
 def _to_heads(x: torch.Tensor, cfg: _Config) -> torch.Tensor:
@@ -143,9 +159,18 @@ def _to_seq(x: torch.Tensor, num_heads: int, cfg: _Config) -> torch.Tensor:
 
 class _FPDTAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: _Config) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None,
+        cfg: _Config,
+    ) -> torch.Tensor:
+        """``sinks``: ``(h_r,)`` the sinks of this rank's heads, or ``None``."""
         c, plan = cfg.chunk_size, cfg.plan
         u = plan.num_segments
+        sink = None if sinks is None else sinks.detach().to(compute_dtype(q.dtype))  # (h_r,)
         store = ChunkStore(offload=cfg.offload, device=q.device)
         # kv of every segment first: non-causal segments also read later ones.
         for j in range(u):
@@ -161,35 +186,48 @@ class _FPDTAttention(torch.autograd.Function):
             for j in plan.cols(i):
                 k_j, v_j = next(kv_stream)
                 for qs, ks, mask in plan.tiles(i, j):
-                    blk = block_forward(q_i[:, qs], k_j[:, ks], v_j[:, ks], scale=cfg.scale, mask=mask)
+                    blk = block_forward(
+                        q_i[:, qs], k_j[:, ks], v_j[:, ks], scale=cfg.scale, mask=mask, softcap=cfg.softcap
+                    )
                     t = qs.start // plan.block_size
                     acc[t] = blk if acc[t] is None else merge_blocks(*acc[t], *blk)  # fp32 online softmax
                 del k_j, v_j  # drop before the next fetch: double buffer
-            out_i = torch.cat([o for o, _ in acc], dim=1).to(q.dtype)
+            out_i, lse_i = torch.cat([o for o, _ in acc], dim=1), torch.cat([lse for _, lse in acc], dim=2)
+            if sink is not None:  # one more softmax column per row, after all keys: lse_i becomes the total
+                out_i, lse_i = merge_sinks(out_i, lse_i, sink)
+            out_i = out_i.to(q.dtype)
             store.put(("out", i), out_i)
-            store.put(("lse", i), torch.cat([lse for _, lse in acc], dim=2))  # (b, h_r, S) fp32
+            store.put(("lse", i), lse_i)  # (b, h_r, S) fp32
             outs.append(_to_seq(out_i, q.shape[2], cfg))  # (b, c, h, d): back to local chunk i
-            del q_i, acc, out_i
+            del q_i, acc, out_i, lse_i
+        tail = [] if sinks is None else [sinks]  # saved as an input: in-place edits before backward raise
         if cfg.offload:
             ctx.store = store
+            ctx.save_for_backward(*tail)
         else:
             ctx.keys, tensors = store.saved()
-            ctx.save_for_backward(*tensors)
+            ctx.save_for_backward(*tensors, *tail)
         ctx.cfg = cfg
-        ctx.meta = (q.dtype, k.dtype, q.shape[2], k.shape[2])
+        ctx.meta = (q.dtype, k.dtype, q.shape[2], k.shape[2], sinks is not None)
         return torch.cat(outs, dim=1)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
         cfg: _Config = ctx.cfg
         plan, c = cfg.plan, cfg.chunk_size
         u = plan.num_segments
-        q_dtype, kv_dtype, h, h_kv = ctx.meta
+        q_dtype, kv_dtype, h, h_kv, has_sinks = ctx.meta
+        saved = list(ctx.saved_tensors)
+        sinks = saved.pop() if has_sinks else None
         if cfg.offload:
             store = ctx.store
         else:
-            store = ChunkStore.restore(ctx.keys, ctx.saved_tensors, grad.device)
+            store = ChunkStore.restore(ctx.keys, saved, grad.device)
         ct = compute_dtype(q_dtype)
+        sink = None if sinks is None else sinks.to(ct)
+        dsink = None if sink is None else torch.zeros_like(sink)
 
         # The access order of the whole backward, so each fetch is prefetched one step ahead.
         steps: list[tuple[tuple[str, int], ...]] = [(("out", i),) for i in range(u)]
@@ -219,6 +257,8 @@ class _FPDTAttention(torch.autograd.Function):
                 q_i, lse_i = next(stream)
                 if dq_acc[i] is None:
                     dq_acc[i] = torch.zeros(q_i.shape, dtype=ct, device=q_i.device)
+                if dsink is not None and i == j:  # once per q segment (the diagonal block is always live)
+                    dsink += sink_grad(lse_i.to(ct), deltas[i], sink)
                 for qs, ks, mask in plan.tiles(i, j):
                     dq, dk, dv = block_backward(
                         douts[i][:, qs],
@@ -229,6 +269,7 @@ class _FPDTAttention(torch.autograd.Function):
                         deltas[i][:, :, qs],
                         scale=cfg.scale,
                         mask=mask,
+                        softcap=cfg.softcap,
                     )
                     dq_acc[i][:, qs] += dq
                     dk_acc[:, ks] += dk
@@ -244,7 +285,14 @@ class _FPDTAttention(torch.autograd.Function):
         if cfg.offload:
             store.release()  # host buffers go now, not when the graph is dropped
             ctx.store = None
-        return torch.cat(dq_parts, dim=1), torch.cat(dk_parts, dim=1), torch.cat(dv_parts, dim=1), None
+        dsinks = None if dsink is None or sinks is None else dsink.to(sinks.dtype)
+        return (
+            torch.cat(dq_parts, dim=1),
+            torch.cat(dk_parts, dim=1),
+            torch.cat(dv_parts, dim=1),
+            dsinks,
+            None,
+        )
 
 
 def _global_docs(
@@ -276,6 +324,7 @@ def fpdt_attention(
     backend: str = "auto",
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     block_size: int = 1024,
 ) -> torch.Tensor:
     """Exact attention over a sequence in FPDT's strided layout, computed one chunk pair at a time.
@@ -293,7 +342,13 @@ def fpdt_attention(
         backend: ``"auto"`` or ``"math"`` â€” the blocks use the math building blocks (they return the
             log-sum-exp and have the matching backward) on every device.
         sliding_window: attend only to the last ``sliding_window`` tokens (incl. itself), as HF.
-        softcap: not supported (raises); use ``ulysses_attention`` for soft-capped models.
+        softcap: ``c > 0``: scores become ``c * tanh(scores / c)`` before the mask (Gemma-2,
+            VaultGemma), in the forward and backward of every block.
+        sinks: ``(h,)`` attention sinks (gpt-oss ``s_aux``), one learned logit per GLOBAL query head in
+            the softmax denominator with no value attached; any float dtype, on q's device, the same
+            tensor on every rank. Each rank uses (and gives a gradient to) the heads it owns after the
+            all-to-all, so ``sinks.grad`` is ``(h,)`` with zeros outside them; summed over the group
+            (as the strategy does for parameters) it is the exact gradient.
         block_size: tokens per compute tile inside a segment of ``P*chunk_size`` tokens; bounds the
             ``(b, h/P, block_size, block_size)`` fp32 score block of the math kernel.
 
@@ -301,11 +356,8 @@ def fpdt_attention(
         ``(b, u*c, h, d)`` in the same layout, equal to full attention over the gathered sequence.
     """
     check_qkv(q, k, v)
-    if softcap:
-        raise ValueError(
-            f"fpdt_attention does not support logit softcapping (softcap={softcap}); use mode='ulysses' "
-            "(ulysses_attention with backend='math' or 'flash') for soft-capped models such as Gemma-2"
-        )
+    check_softcap(softcap)
+    check_sinks(sinks, q)
     if backend not in FPDT_BACKENDS:
         resolve_backend(backend)  # unknown or unavailable names get the kernels' own error
         raise ValueError(
@@ -337,5 +389,6 @@ def fpdt_attention(
         sliding_window=sliding_window,
         docs=docs,
     )
-    cfg = _Config(group, chunk_size, default_scale(d, softmax_scale), plan, offload)
-    return _FPDTAttention.apply(q, k, v, cfg)
+    cfg = _Config(group, chunk_size, default_scale(d, softmax_scale), plan, offload, softcap)
+    my_sinks = None if sinks is None else sinks[local_heads(h, group)]  # (h_r,); autograd scatters its grad
+    return _FPDTAttention.apply(q, k, v, my_sinks, cfg)

@@ -12,9 +12,12 @@ import torch
 from lightning_longctx.attention.common import (
     MaskSpec,
     check_qkv,
+    check_sinks,
+    check_softcap,
     default_scale,
     doc_ids,
     has_resets,
+    local_heads,
     spread_kv_heads,
 )
 from lightning_longctx.attention.kernels import resolve_backend
@@ -45,6 +48,7 @@ def ulysses_attention(
     backend: str = "auto",
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded contiguously over ``group``.
 
@@ -54,19 +58,29 @@ def ulysses_attention(
         position_ids: ``(b, s/P)`` GLOBAL positions; a reset to 0 starts a new packed document and
             attention never crosses documents. ``None``: one document.
         sliding_window: attend only to the last ``sliding_window`` tokens (incl. itself), as HF.
-        softcap: tanh logit soft-capping (Gemma-2 style); needs a kernel that applies it.
+        softcap: ``c > 0``: scores become ``c * tanh(scores / c)`` before the mask (Gemma-2); needs a
+            kernel that applies it ("auto" picks one: flash or math).
+        sinks: ``(h,)`` attention sinks (gpt-oss ``s_aux``), one learned logit per GLOBAL query head in
+            the softmax denominator with no value attached; any float dtype, on q's device, the same
+            tensor on every rank. Each rank uses (and gives a gradient to) the heads it owns after the
+            all-to-all, so ``sinks.grad`` is ``(h,)`` with zeros outside them; summed over the group
+            (as the strategy does for parameters) it is the exact gradient. Needs the math kernel
+            ("auto" picks it; "sdpa" and "flash" raise).
 
     Returns:
         ``(b, s/P, h, d)``, equal to full attention over the gathered sequence.
     """
     check_qkv(q, k, v)
+    check_softcap(softcap)
+    check_sinks(sinks, q)
     _, world = group_rank_size(group)
-    kernel = resolve_backend(backend, softcap=softcap)
+    kernel = resolve_backend(backend, softcap=softcap, sinks=sinks is not None)
     h = q.shape[2]
     k, v = spread_kv_heads(k, v, h, world)
     mask = global_mask(position_ids, causal=causal, sliding_window=sliding_window, group=group)
     q_h, k_h, v_h = (seq_to_head(x, group) for x in (q, k, v))  # (b, s, h_r, d): all tokens, my heads
+    extra = {} if sinks is None else {"sinks": sinks[local_heads(h, group)]}  # (h_r,): my heads' sinks
     out_h, _ = kernel.fn(
-        q_h, k_h, v_h, scale=default_scale(q.shape[-1], softmax_scale), mask=mask, softcap=softcap
+        q_h, k_h, v_h, scale=default_scale(q.shape[-1], softmax_scale), mask=mask, softcap=softcap, **extra
     )
     return head_to_seq(out_h, h, group)  # (b, s/P, h, d)
