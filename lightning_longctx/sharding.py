@@ -159,6 +159,10 @@ def shard_batch(
         seqs["shift_labels"] = shift_labels(seqs["labels"], ignore_index)
     if "shift_labels" in seqs:
         seqs["labels"] = seqs["shift_labels"]
+    if pad and "attention_mask" not in seqs:
+        # the pads must be known as pads to whatever counts tokens inside the model (an MoE router's
+        # load-balancing statistics); attention itself is causal and never sees them from a real token
+        seqs["attention_mask"] = torch.ones_like(ids)
     pos = seqs.get("position_ids")
     if pos is None:
         pos = torch.arange(n, device=ids.device).expand(b, n)

@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_longctx import enable_sequence_parallel, sequence_parallel_cross_entropy, shard_batch
+from lightning_longctx import enable_sequence_parallel, shard_batch
 from lightning_longctx.comm import all_reduce_no_grad
 from lightning_longctx.integrations.moe import (
     MIXTRAL,
     moe_aux_loss_plan,
     sequence_parallel_load_balancing_loss,
 )
+from lightning_longctx.integrations.transformers import context_of
 from lightning_longctx.sharding import shard_sequence
-from lightning_longctx.tiling import untile_mlp_
 
 LAYERS, BATCH, SEQ, EXPERTS = 3, 2, 24, 5
 #: tokens per rank for the uneven layout (contiguous, in rank order)
@@ -187,32 +187,6 @@ def _batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _sp_moe_loss(model, plan, batch: dict, group=None) -> torch.Tensor:
-    """The Ulysses wiring the integration is to do: run the model WITHOUT labels (so it adds no
-    per-shard aux term), then the exact global cross-entropy + coef * the exact global aux loss."""
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
-    out = model(**inputs, labels=None, output_router_logits=True)
-    ce = sequence_parallel_cross_entropy(out.logits, batch["shift_labels"], group=group)
-    aux = plan.aux_loss(out.router_logits, attention_mask=batch.get("attention_mask"), group=group)
-    out = type(out)(**{**out, "loss": ce + plan.coef * aux, "aux_loss": aux})
-    assert out.to_tuple()[0] is out.loss
-    return out.loss
-
-
-def _sp_moe_loss_fpdt(model, plan, batch: dict, chunk_size: int, group=None) -> torch.Tensor:
-    """The FPDT wiring: the chunked-loss forward calls the decoder itself; ask it for the router logits."""
-    from lightning_longctx.chunked_loss import chunked_lm_head_cross_entropy
-
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
-    out = model.get_decoder()(**inputs, output_router_logits=True, use_cache=False)
-    head = model.get_output_embeddings()
-    ce = chunked_lm_head_cross_entropy(
-        out.last_hidden_state, head.weight, batch["shift_labels"], bias=head.bias, group=group, chunk_size=2
-    )
-    aux = plan.aux_loss(out.router_logits, attention_mask=batch.get("attention_mask"), group=group)
-    return ce + plan.coef * aux
-
-
 def _summed_grads(model) -> dict[str, torch.Tensor]:
     grads = {}
     for name, p in model.named_parameters():
@@ -228,60 +202,50 @@ def _errors(grads: dict, ref: dict) -> tuple[float, float]:
     return max(errs.values()), max(e for n, e in errs.items() if n.endswith("mlp.gate.weight"))
 
 
-def _end_to_end(arch: str) -> dict:
+def _end_to_end(arch: str, padded_by_shard_batch: bool) -> dict:
+    """The model's own call, ``model(**shard_batch(batch)).loss``, after enable_sequence_parallel."""
     batch = _batch()
+    if padded_by_shard_batch:  # 15 tokens, no mask: shard_batch pads to 16 and must mark the pad as padding
+        batch = {"input_ids": batch["input_ids"][:, :15], "labels": batch["labels"][:, :15]}
     ref_model = _tiny_moe(arch)
     ref = ref_model(**batch)  # one process, whole sequence: CE + coef * aux, the model's own loss
     ref.loss.backward()
     ref_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
-
-    model = enable_sequence_parallel(_tiny_moe(arch), mode="ulysses")
-    plan = moe_aux_loss_plan(model)
-    local = shard_batch(batch)
-    loss = _sp_moe_loss(model, plan, local)
-    loss.backward()
-    fixed = _errors(_summed_grads(model), ref_grads)
-
-    out = model(**local)  # the bug: the model adds its per-shard aux loss
-    out.loss.backward()
-    naive = _errors(_summed_grads(model), ref_grads)
-
-    # FPDT layout (chunks r, r+P, ... per rank). The MoE blocks must stay untiled: a tiled MLP runs its
-    # forward without autograd, so the router logits it records carry no gradient. The config flag is
-    # off (the integration refuses it under FPDT until it is wired); the recipe asks the decoder itself.
-    chunk = 4
-    fpdt = enable_sequence_parallel(
-        _tiny_moe(arch, output_router_logits=False), mode="fpdt", chunk_size=chunk
-    )
-    for name, module in fpdt.named_modules():
-        if name.endswith(".mlp"):
-            untile_mlp_(module)
-    fpdt_loss = _sp_moe_loss_fpdt(fpdt, plan, shard_batch(batch, chunk_size=chunk), chunk)
-    fpdt_loss.backward()
-    fpdt_errs = _errors(_summed_grads(fpdt), ref_grads)
-    return {
-        "plan": (plan.formula, plan.num_experts, plan.top_k, plan.coef),
-        "aux_share": (0.1 * ref.aux_loss / ref.loss).item(),
-        "loss_err": abs(loss.item() - ref.loss.item()) / ref.loss.item(),
-        "grad_err": fixed[0],
-        "gate_grad_err": fixed[1],
-        "fpdt_loss_err": abs(fpdt_loss.item() - ref.loss.item()) / ref.loss.item(),
-        "fpdt_grad_err": fpdt_errs[0],
-        "naive_loss_err": abs(out.loss.item() - ref.loss.item()) / ref.loss.item(),
-        "naive_gate_grad_err": naive[1],
-    }
+    out: dict = {"plan": None}
+    for mode, chunk in (("ulysses", None), ("fpdt", 4)):
+        model = enable_sequence_parallel(_tiny_moe(arch), mode=mode, chunk_size=chunk)
+        plan = context_of(model).moe_plan
+        out["plan"] = (plan.formula, plan.num_experts, plan.top_k, plan.coef)
+        local = shard_batch(batch, chunk_size=chunk)
+        result = model(**local)
+        result.loss.backward()
+        grad_err, gate_err = _errors(_summed_grads(model), ref_grads)
+        out[mode] = {
+            "loss_err": abs(result.loss.item() - ref.loss.item()) / ref.loss.item(),
+            "aux_err": abs(result.aux_loss.item() - ref.aux_loss.item()) / ref.aux_loss.item(),
+            "grad_err": grad_err,
+            "gate_grad_err": gate_err,
+        }
+        if mode == "ulysses":  # the bug, for contrast: the model's own forward adds its per-shard aux loss
+            naive = type(model).forward(model, **local)
+            naive.loss.backward()
+            out["naive_gate_grad_err"] = _errors(_summed_grads(model), ref_grads)[1]
+    out["aux_share"] = (0.1 * ref.aux_loss / ref.loss).item()
+    return out
 
 
+@pytest.mark.parametrize("padded_by_shard_batch", [False, True], ids=["mask-given", "padded-by-shard-batch"])
 @pytest.mark.parametrize("arch", list(MODELS))
-def test_moe_model_trains_exactly_under_sp2(dist_pool, arch):
-    """Ulysses and FPDT layouts, padding in one sample: loss and every parameter gradient (summed over
-    the SP ranks) equal the plain model's on one process."""
-    results = dist_pool(2).run(_end_to_end, arch)
+def test_moe_model_trains_exactly_under_sp2(dist_pool, arch, padded_by_shard_batch):
+    """enable_sequence_parallel wires the exact aux loss into the model's own call, Ulysses and FPDT (MoE
+    blocks untiled); padding in one sample, or added by shard_batch: loss, aux loss and every parameter
+    gradient (summed over the SP ranks) equal the plain model's on one process."""
+    results = dist_pool(2).run(_end_to_end, arch, padded_by_shard_batch)
     for r in results:
         assert r["plan"] == (MIXTRAL, 4, 2, 0.1)
         assert r["aux_share"] > 0.03  # the aux term is not negligible in this test
-        assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-5 and r["gate_grad_err"] < 1e-5, r
-        assert r["fpdt_loss_err"] < 1e-5 and r["fpdt_grad_err"] < 1e-5, r
+        for mode in ("ulysses", "fpdt"):
+            assert max(r[mode].values()) < 1e-5, (mode, r[mode])
         assert r["naive_gate_grad_err"] > 0.05, r  # dropping the fix is caught
 
 

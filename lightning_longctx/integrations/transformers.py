@@ -1,20 +1,30 @@
 """Swap attention (and, in FPDT mode, the MLP and the loss) of a Hugging Face model in place.
 
 Mechanism: transformers' ``AttentionInterface``. We register one attention function per patched
-model under a fresh key (no mask function: the model then builds no O(s²) mask) and point the
-model's config at it. The function receives q ``(b, H, s, d)`` and k/v ``(b, H_kv, s, d)`` already
-rotated with the GLOBAL ``position_ids`` that ``shard_batch`` produced and returns
-``(out (b, s, H, d), None)``.
+model under a fresh key and point the model's config at it. The function receives q ``(b, H, s, d)``
+and k/v ``(b, H_kv, s, d)`` already rotated with the GLOBAL ``position_ids`` that ``shard_batch``
+produced and returns ``(out (b, s, H, d), None)``.
 
-State lives in one place: the model's :class:`SequenceParallelContext`, held by the function
-registered under the model's key (the model itself keeps only the key string in its config, plus
-instance overrides of ``loss_function`` and, in FPDT mode, ``forward``). :func:`disable_sequence_parallel`
-restores the model and unregisters the key.
+Masks. Some models say what they attend to only through the mask they build (a sliding window chosen
+from ``config.sliding_window``, Llama-4's chunked attention, a ``config.layer_types`` mix), so the key
+also gets its own mask function (``AttentionMaskInterface``). transformers calls it from
+``create_causal_mask`` / ``create_sliding_window_causal_mask`` / ``create_chunked_causal_mask`` (one
+call per layer type) with the model's ``mask_function``; we probe that function on global indices and
+return a :class:`MaskPattern` — causal, sliding window W, chunks of C, or bidirectional: a few numbers,
+never an O(s²) mask — which transformers hands to our attention function as ``attention_mask``.
+Anything else is refused with an error, never dropped.
+
+State lives in one place: the model's :class:`SequenceParallelContext`, held by the functions
+registered under the model's key (the model itself keeps only the key string in its config, two
+forward hooks, plus instance overrides of ``loss_function`` and, in FPDT mode, ``forward``).
+:func:`disable_sequence_parallel` restores the model and unregisters the key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +35,17 @@ from torch import nn
 from lightning_longctx.attention.fpdt import fpdt_attention
 from lightning_longctx.attention.ulysses import ulysses_attention
 from lightning_longctx.comm import Group
+from lightning_longctx.integrations.lm_head import ChunkedHead, read_chunked_head
+from lightning_longctx.integrations.masks import (
+    PositionsHook,
+    SequenceParallelMask,
+    check_layer_types,
+    chunk_positions,
+    llama4_query_temperature,
+    pattern_of,
+    resolve_sliding_window,
+)
+from lightning_longctx.integrations.moe import MoEAuxLossPlan, moe_aux_loss_plan
 from lightning_longctx.loss import sequence_parallel_cross_entropy
 from lightning_longctx.sharding import IGNORE_INDEX
 
@@ -39,6 +60,9 @@ class SequenceParallelContext:
 
     ``chunk_size`` is the configured FPDT chunk (tokens per rank); a call whose local sequence is
     shorter uses one chunk of its length (``shard_batch`` pads to ``P * min(chunk_size, N/P)``).
+    ``call_position_ids`` are the GLOBAL ``position_ids`` of the forward call in progress (set and
+    cleared by hooks on the model; the mask function copies them into the :class:`MaskPattern` it
+    returns, for models that do not pass them on to attention, such as Llama-4).
 
     A deep copy of a patched model shares its context (same group, same settings); pickling one is
     refused, since the process group cannot travel: unpatch it first.
@@ -50,9 +74,13 @@ class SequenceParallelContext:
     offload: bool
     backend: str
     loss_chunk_size: int | None
+    model_name: str = ""
     key: str = ""
     num_attention_layers: int = 0
     attention_calls: int = 0
+    lm_head: ChunkedHead | None = None  # FPDT mode: read at patch time
+    moe_plan: MoEAuxLossPlan | None = None  # the model's in-forward load-balancing loss, if any
+    call_position_ids: torch.Tensor | None = None
     restore: dict[str, Any] = field(default_factory=dict)  # the model's settings before patching
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SequenceParallelContext:
@@ -83,9 +111,11 @@ def _registered(key: str | None) -> Any:
 
 def _unregister(key: str) -> None:
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     # transformers has register() but no public way to remove a key; this is the one place we touch it.
     AttentionInterface._global_mapping.pop(key, None)
+    AttentionMaskInterface._global_mapping.pop(key, None)
 
 
 def context_of(model: nn.Module) -> SequenceParallelContext | None:
@@ -94,21 +124,13 @@ def context_of(model: nn.Module) -> SequenceParallelContext | None:
     return fn.context if isinstance(fn, _SequenceParallelAttention) else None
 
 
-def _unsupported(kwargs: dict[str, Any], model_name: str) -> None:
-    if kwargs.get("s_aux") is not None:
-        raise ValueError(
-            f"{model_name} uses attention sinks (s_aux), which sequence-parallel attention does not implement; "
-            "train it without sequence parallelism"
-        )
-
-
 def _hf_attention(
     ctx: SequenceParallelContext,
     module: nn.Module,
     query: torch.Tensor,
     key_states: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: Any,
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
@@ -117,36 +139,34 @@ def _hf_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     name = type(module).__name__
-    _unsupported(kwargs, name)
     if dropout:
         raise ValueError(
             f"{name} asks for attention dropout {dropout}; sequence-parallel attention has none. "
             "Set config.attention_dropout=0.0"
         )
-    if attention_mask is not None and attention_mask.dim() == 4:
-        raise ValueError(
-            "a 4-D attention mask reached sequence-parallel attention; pass packed documents as position_ids "
-            "that restart at 0 instead"
-        )
-    if position_ids is not None and position_ids.dim() == 1:
-        position_ids = position_ids[None].expand(query.shape[0], -1)
+    pattern = pattern_of(attention_mask, name)
+    if position_ids is None and pattern is not None:  # models that keep them from attention (Llama-4)
+        position_ids = pattern.position_ids
     q, k, v = (x.transpose(1, 2) for x in (query, key_states, value))  # (b, s, h, d)
-    causal = getattr(module, "is_causal", True)
+    if position_ids is not None:
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None]
+        position_ids = position_ids.expand(q.shape[0], -1)
+    q = llama4_query_temperature(ctx, module, q)
+    causal = pattern.causal if pattern is not None else getattr(module, "is_causal", True)
+    sliding_window = resolve_sliding_window(sliding_window, pattern, name)
+    if pattern is not None and pattern.chunk is not None:
+        position_ids = chunk_positions(ctx, position_ids, pattern.chunk, q)
     common = dict(
         group=ctx.group, causal=causal, softmax_scale=scaling, position_ids=position_ids, backend=ctx.backend
     )
+    # gpt-oss passes its sinks as s_aux (num_heads,): whole, each rank takes its own heads' slice
+    features = dict(sliding_window=sliding_window, softcap=softcap or None, sinks=kwargs.get("s_aux"))
     if ctx.mode == "ulysses":
-        out = ulysses_attention(q, k, v, sliding_window=sliding_window, softcap=softcap, **common)
+        out = ulysses_attention(q, k, v, **features, **common)
     else:
-        if softcap:
-            raise ValueError(
-                f"{name} uses attention logit softcapping ({softcap}), which FPDT does not implement; "
-                "use the 'ulysses' strategy (fpdt_chunk_size=None) for this model"
-            )
         chunk = min(ctx.chunk_size, q.shape[1])  # short sequences: one chunk of their local length
-        out = fpdt_attention(
-            q, k, v, chunk_size=chunk, offload=ctx.offload, sliding_window=sliding_window, **common
-        )
+        out = fpdt_attention(q, k, v, chunk_size=chunk, offload=ctx.offload, **features, **common)
     ctx.attention_calls += 1
     return out, None
 
@@ -170,35 +190,80 @@ def _hf_loss(
     return sequence_parallel_cross_entropy(logits, shift_labels, group=ctx.group, ignore_index=ignore_index)
 
 
+def _aux_loss_on(ctx: SequenceParallelContext, model: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether this call adds the model's MoE load-balancing loss (raises for a formula we cannot compute)."""
+    plan = ctx.moe_plan
+    return plan is not None and plan.active(model.config, kwargs.get("output_router_logits"))
+
+
+def _with_aux_loss(
+    ctx: SequenceParallelContext, loss: torch.Tensor, router_logits: Any, kwargs: dict[str, Any]
+):
+    """``loss + coef * aux`` with the aux loss over the whole SP group (``integrations/moe.py``); a collective."""
+    aux = ctx.moe_plan.aux_loss(router_logits, attention_mask=kwargs.get("attention_mask"), group=ctx.group)
+    return loss + ctx.moe_plan.coef * aux, aux
+
+
+def _aux_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Ulysses mode, MoE models: the model's own forward, with its per-shard load-balancing loss replaced by
+    the exact one over the SP group (the model adds none when called without labels)."""
+    ctx = context_of(self)
+    if ctx is None or kwargs.get("labels") is None or not _aux_loss_on(ctx, self, kwargs):
+        return type(self).forward(self, *args, **kwargs)
+    labels, shift_labels = kwargs.pop("labels"), kwargs.pop("shift_labels", None)
+    if shift_labels is None:
+        _hf_loss(ctx, None, labels)  # raises the "not sharded" error
+    kwargs["output_router_logits"] = True
+    out = type(self).forward(self, *args, labels=None, **kwargs)
+    ce = sequence_parallel_cross_entropy(out.logits, shift_labels, group=ctx.group)
+    loss, aux = _with_aux_loss(ctx, ce, out.router_logits, kwargs)
+    return type(out)(**{**out, "loss": loss, "aux_loss": aux})  # rebuilt: `loss` first in to_tuple()
+
+
 def _chunked_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """CausalLM forward whose loss never materialises the ``(b, s/P, vocab)`` logits (FPDT mode)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
     from lightning_longctx.chunked_loss import chunked_lm_head_cross_entropy
 
     ctx = context_of(self)
     labels = kwargs.pop("labels", None)
     shift_labels = kwargs.pop("shift_labels", None)
-    if labels is None or ctx is None:
+    if labels is None or ctx is None or ctx.lm_head is None:
         return type(self).forward(self, *args, labels=labels, shift_labels=shift_labels, **kwargs)
     if shift_labels is None:
         _hf_loss(ctx, None, labels)  # raises the "not sharded" error
+    head = ctx.lm_head
     kwargs["use_cache"] = False
     kwargs.pop("logits_to_keep", None)
-    outputs = self.get_decoder()(*args, **kwargs)
-    head = self.get_output_embeddings()
+    aux_on = _aux_loss_on(ctx, self, kwargs)
+    if aux_on:
+        kwargs["output_router_logits"] = True
+    outputs = functools.reduce(getattr, head.decoder.split("."), self)(*args, **kwargs)
+    hidden = getattr(outputs, "last_hidden_state", None)
+    hidden = outputs[0] if hidden is None else hidden
+    lm_head = self.get_output_embeddings()
     loss = chunked_lm_head_cross_entropy(
-        outputs.last_hidden_state,
-        head.weight,
+        hidden,
+        lm_head.weight,
         shift_labels,
-        bias=head.bias,
+        bias=lm_head.bias,
         group=ctx.group,
         chunk_size=ctx.loss_chunk_size,
-        softcap=getattr(self.config, "final_logit_softcapping", None),
+        logit_scale=head.logit_scale,
+        softcap=head.softcap,
     )
-    return CausalLMOutputWithPast(
-        loss=loss, logits=None, hidden_states=outputs.hidden_states, attentions=None
+    aux_loss = None
+    if aux_on:
+        loss, aux_loss = _with_aux_loss(ctx, loss, outputs.router_logits, kwargs)
+    values = dict(
+        loss=loss,
+        aux_loss=aux_loss,
+        logits=None,
+        hidden_states=getattr(outputs, "hidden_states", None),
+        attentions=getattr(outputs, "attentions", None),
+        router_logits=getattr(outputs, "router_logits", None),
     )
+    names = {f.name for f in dataclasses.fields(head.output_cls)}
+    return head.output_cls(**{k: v for k, v in values.items() if k in names})
 
 
 def _decoder_mlps(model: nn.Module) -> dict[str, nn.Module]:
@@ -231,9 +296,12 @@ def enable_sequence_parallel(
     per chunk per rank, plus the MLPs tiled along the sequence (``mlp_chunk_size``, default
     ``chunk_size``) and a chunked lm_head + loss (``loss_chunk_size``, default ``chunk_size``).
     Batches must come from ``shard_batch`` (the strategy does this) with the matching layout.
+    Every layer's mask (causal, sliding window, chunked; see :class:`MaskPattern`) and, in FPDT mode,
+    the model's logit scale and soft-cap are honoured; anything else is refused here or at the first call.
     :func:`disable_sequence_parallel` undoes it.
     """
     from transformers import AttentionInterface, PreTrainedModel
+    from transformers.masking_utils import AttentionMaskInterface
 
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is unknown; choose one of {MODES}")
@@ -250,16 +318,17 @@ def enable_sequence_parallel(
             f"this {name} is already sequence-parallel; call disable_sequence_parallel(model) before patching "
             "it again"
         )
+    check_layer_types(model, name)
     if not getattr(model, "_supports_attention_backend", False):
         raise ValueError(
             f"{name} does not route attention through transformers' AttentionInterface (models such as Falcon, "
             "Bloom, MPT, GPT-Neo compute attention inline), so its attention cannot be swapped. "
             "Use a model that supports attn_implementation='sdpa'/'flex_attention' (Llama, Qwen2/3, Mistral, ...)"
         )
-    if getattr(model.config, "logit_scale", None) not in (None, 1.0) and mode == "fpdt":
-        raise ValueError(
-            f"{name} scales its logits (config.logit_scale); the chunked FPDT loss does not; use mode='ulysses'"
-        )
+    moe_plan = moe_aux_loss_plan(model)  # refuses an in-forward loss term it cannot compute over the group
+    lm_head = None
+    if mode == "fpdt" and model.get_output_embeddings() is not None:
+        lm_head = read_chunked_head(model, name)  # refuses a logits transform it cannot reproduce
     ctx = SequenceParallelContext(
         group=group,
         mode=mode,
@@ -267,7 +336,10 @@ def enable_sequence_parallel(
         offload=offload,
         backend=backend,
         loss_chunk_size=loss_chunk_size or chunk_size,
+        model_name=name,
         num_attention_layers=int(getattr(model.config, "num_hidden_layers", 0)),
+        lm_head=lm_head,
+        moe_plan=moe_plan,
     )
     saved = ctx.restore
     saved["attn_implementation"] = model.config._attn_implementation
@@ -276,30 +348,45 @@ def enable_sequence_parallel(
     saved["forward"] = model.__dict__.get("forward", _UNSET)
     ctx.key = f"longctx_{mode}_{id(ctx):x}"  # unique among live keys: the registry keeps ctx alive
     AttentionInterface.register(ctx.key, _SequenceParallelAttention(ctx))
+    AttentionMaskInterface.register(ctx.key, SequenceParallelMask(ctx))
     model.set_attn_implementation(ctx.key)
     if model.config._attn_implementation != ctx.key:
         _unregister(ctx.key)
         raise RuntimeError(
             f"{name} ignored set_attn_implementation({ctx.key!r}); its attention cannot be swapped"
         )
+    params = list(inspect.signature(type(model).forward).parameters)[1:]  # without self
+    hook = PositionsHook(ctx, params.index("position_ids") if "position_ids" in params else None)
+    saved["hooks"] = [
+        model.register_forward_pre_hook(hook.before, with_kwargs=True),
+        model.register_forward_hook(hook.after, with_kwargs=True, always_call=True),
+    ]
     model.config.use_cache = False
     model.loss_function = functools.partial(_hf_loss, ctx)
     if mode == "fpdt":
         from lightning_longctx.tiling import is_tiled, tile_mlp_
 
-        mlps = {name: m for name, m in _decoder_mlps(model).items() if not is_tiled(m)}
+        # MoE blocks stay untiled when the model has a load-balancing loss: the tiled forward runs without
+        # autograd, so the router logits it records would carry no gradient.
+        mlps = {
+            name: m
+            for name, m in _decoder_mlps(model).items()
+            if not is_tiled(m) and not (moe_plan is not None and hasattr(m, "experts"))
+        }
         for mlp in mlps.values():
             tile_mlp_(mlp, mlp_chunk_size or chunk_size)
         saved["tiled_mlps"] = list(mlps)
-        if model.get_output_embeddings() is not None:
+        if lm_head is not None:
             model.forward = types.MethodType(_chunked_loss_forward, model)
+    elif moe_plan is not None:
+        model.forward = types.MethodType(_aux_loss_forward, model)
     return model
 
 
 def disable_sequence_parallel(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_sequence_parallel`: the model's attention, cache setting, loss, forward and
-    MLPs are as before, and its attention key is unregistered. Returns the model; a model that is not
-    sequence-parallel is returned unchanged."""
+    MLPs are as before, its hooks are removed and its attention and mask key are unregistered. Returns
+    the model; a model that is not sequence-parallel is returned unchanged."""
     from lightning_longctx.tiling import untile_mlp_
 
     ctx = context_of(model)
@@ -313,6 +400,8 @@ def disable_sequence_parallel(model: nn.Module) -> nn.Module:
             model.__dict__.pop(attr, None)
         else:
             model.__dict__[attr] = saved[name]
+    for handle in saved.get("hooks", ()):
+        handle.remove()
     mlps = _decoder_mlps(model)
     for name in saved.get("tiled_mlps", ()):
         untile_mlp_(mlps[name])
