@@ -36,7 +36,7 @@ from transformers.masking_utils import (
 
 from lightning_longctx import disable_sequence_parallel, enable_sequence_parallel, shard_batch
 from lightning_longctx.attention.common import MaskSpec
-from lightning_longctx.integrations.masks import MaskPattern, classify_mask_function
+from lightning_longctx.integrations.masks import MaskPattern, RefusedMask, classify_mask_function, pattern_of
 from lightning_longctx.integrations.transformers import context_of
 
 SEQ, CHUNK, VOCAB = 48, 4, 96
@@ -279,13 +279,17 @@ def test_masks_we_cannot_express_are_refused(patch):
     embeds = torch.zeros(1, 16, 32)
     with pytest.raises(ValueError, match=r"adds its own rule to the attention mask"):
         create_causal_mask(model.config, embeds, None, None, or_mask_function=lambda b, h, q, kv: q >= 0)
+    # a pattern we cannot express is refused by the first layer that attends with it (pattern_of), not
+    # when it is built: models build masks for layer types no layer uses (Qwen2-MoE's unused window)
+    refused = create_bidirectional_sliding_window_mask(model.config, embeds, None)
+    assert isinstance(refused, RefusedMask)
     with pytest.raises(
         ValueError, match=r"neither causal, a sliding window, chunked nor bidirectional.*query 15"
     ):
-        create_bidirectional_sliding_window_mask(model.config, embeds, None)
+        pattern_of(refused, "MistralAttention")
     blocks = torch.tensor([[-1] * 4 + [0] * 4 + [-1] * 8])  # image-like block attending bidirectionally
     with pytest.raises(ValueError, match=r"neither causal"):
-        create_causal_mask(model.config, embeds, None, None, block_sequence_ids=blocks)
+        pattern_of(create_causal_mask(model.config, embeds, None, None, block_sequence_ids=blocks), "x")
     masker = AttentionMaskInterface()[context_of(model).key]
     with pytest.raises(ValueError, match=r"16 queries against 24 keys.*use_cache=False"):
         masker(batch_size=1, q_length=16, kv_length=24, mask_function=causal_mask_function)

@@ -60,12 +60,26 @@ class MaskPattern:
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names it lacks: a model treating its attention mask as a tensor.
-        raise AttributeError(
+        raise MaskEditedError(
             f"the model read attention_mask.{name}, but under sequence parallelism the mask is a "
             f"MaskPattern ({', '.join(f.name for f in dataclasses.fields(MaskPattern))}), not a tensor: "
             "the model edits its mask itself (as Doge does), which sequence-parallel attention cannot follow. "
             "Train it without sequence parallelism"
         )
+
+
+class MaskEditedError(ValueError, AttributeError):
+    """A model read its attention mask as a tensor (to edit it): a refusal (``ValueError``) that is also an
+    ``AttributeError``, as ``__getattr__`` must raise."""
+
+
+@dataclass(frozen=True)
+class RefusedMask:
+    """A layer type's mask that sequence-parallel attention cannot express. Models build masks for layer
+    types none of their layers use (Qwen2-MoE's unused sliding window): only a layer that receives this
+    one raises, in :func:`pattern_of`."""
+
+    reason: str
 
 
 def _closure(fn: Callable[..., Any], factory: str) -> dict[str, Any] | None:
@@ -232,7 +246,7 @@ class SequenceParallelMask:
         use_vmap: bool = False,
         device: torch.device | str = "cpu",
         **kwargs: Any,
-    ) -> MaskPattern:
+    ) -> MaskPattern | RefusedMask:
         ctx = self.context
         name = ctx.model_name or "the model"
         if int(q_offset) or int(kv_offset) or kv_length != q_length:
@@ -252,14 +266,17 @@ class SequenceParallelMask:
             mask = attention_mask.to(torch.long)
             left_padding = (mask.cumsum(dim=-1) == 0).sum(dim=-1)
         _, world = group_rank_size(ctx.group)
-        pattern = classify_mask_function(
-            mask_function,
-            seq_len=world * q_length,  # both layouts: P equal shards of the (padded) global sequence
-            local_size=local_size,
-            left_padding=left_padding,
-            model_name=name,
-            device=device,
-        )
+        try:
+            pattern = classify_mask_function(
+                mask_function,
+                seq_len=world * q_length,  # both layouts: P equal shards of the (padded) global sequence
+                local_size=local_size,
+                left_padding=left_padding,
+                model_name=name,
+                device=device,
+            )
+        except ValueError as e:
+            return RefusedMask(str(e))  # raised by the first layer that attends with it
         return dataclasses.replace(pattern, position_ids=ctx.call_position_ids)
 
 
@@ -297,6 +314,8 @@ def check_layer_types(model: nn.Module, name: str) -> None:
 def pattern_of(attention_mask: Any, name: str) -> MaskPattern | None:
     if attention_mask is None or isinstance(attention_mask, MaskPattern):
         return attention_mask
+    if isinstance(attention_mask, RefusedMask):
+        raise ValueError(attention_mask.reason)
     if isinstance(attention_mask, torch.Tensor):
         if attention_mask.dim() == 4:
             raise ValueError(

@@ -267,7 +267,24 @@ def _chunked_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _decoder_mlps(model: nn.Module) -> dict[str, nn.Module]:
-    return {name: m for name, m in model.named_modules() if name.endswith(".mlp")}
+    """The decoder layers' MLPs (``*.mlp``), never a module inside a mixture of experts (DBRX's
+    ``ffn.experts.mlp`` is the experts' weights, not a position-wise block)."""
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if name.endswith(".mlp") and "experts" not in name.split(".")[:-1]
+    }
+
+
+def _routes_tokens(mlp: nn.Module, model: nn.Module) -> bool:
+    """Whether ``mlp`` holds a router whose logits the model records (``output_router_logits``): tiling
+    it would record them without autograd. The router class is the one transformers records
+    (``_can_record_outputs["router_logits"]``); a module with ``experts`` counts too."""
+    recorder = getattr(model.get_decoder(), "_can_record_outputs", {}).get("router_logits")
+    router = getattr(recorder, "target_class", recorder)
+    return hasattr(mlp, "experts") or (
+        isinstance(router, type) and any(isinstance(m, router) for m in mlp.modules())
+    )
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
@@ -321,8 +338,9 @@ def enable_sequence_parallel(
     check_layer_types(model, name)
     if not getattr(model, "_supports_attention_backend", False):
         raise ValueError(
-            f"{name} does not route attention through transformers' AttentionInterface (models such as Falcon, "
-            "Bloom, MPT, GPT-Neo compute attention inline), so its attention cannot be swapped. "
+            f"{name} does not route attention through transformers' AttentionInterface (it computes attention "
+            "inline, as Falcon, Bloom, MPT, GPT-Neo do, or mixes tokens without attention, as RWKV and xLSTM "
+            "do), so its token mixing cannot be made sequence-parallel. "
             "Use a model that supports attn_implementation='sdpa'/'flex_attention' (Llama, Qwen2/3, Mistral, ...)"
         )
     moe_plan = moe_aux_loss_plan(model)  # refuses an in-forward loss term it cannot compute over the group
@@ -371,7 +389,7 @@ def enable_sequence_parallel(
         mlps = {
             name: m
             for name, m in _decoder_mlps(model).items()
-            if not is_tiled(m) and not (moe_plan is not None and hasattr(m, "experts"))
+            if not is_tiled(m) and not (moe_plan is not None and _routes_tokens(m, model))
         }
         for mlp in mlps.values():
             tile_mlp_(mlp, mlp_chunk_size or chunk_size)
