@@ -7,6 +7,7 @@ the scripts that write a PNG beside their JSON (``bench_memory.py``, ``bench_soa
 
 | benchmark            | written by                        | PNG                                      |
 | ulysses_attention    | bench_ulysses.py                  | ulysses_time.png                         |
+| attention            | bench_attention.py                | attention.png                            |
 | throughput           | bench_throughput.py               | throughput.png (+ ``<stem>.png`` others) |
 | memory               | bench_memory.py                   | memory.png (+ ``<stem>.png`` others)     |
 | soak                 | bench_soak.py                     | soak.png                                 |
@@ -84,6 +85,35 @@ def plot_ulysses(data: dict[str, Any]) -> Any:
         (ax_c, "all-to-alls + layout copies only (kernel replaced by q+k+v)"),
     ):
         _log2_axes(ax, "global sequence length N", "ms (slowest rank)", title, legend="x-small")
+    return fig
+
+
+def plot_attention(data: dict[str, Any]) -> Any:
+    """FPDT vs Ulysses attention: ms per fwd+bwd by N (one line per variant and P), and the ratios."""
+    rows = data["results"]
+    fig, (ax_t, ax_r) = _figure(2)
+    variants = [k[: -len("_ms")] for k in rows[0] if k.endswith("_ms") and not k.endswith("_repeats")]
+    styles = {0: "-o", 1: "--s", 2: ":^"}
+    for i, world in enumerate(sorted({r["P"] for r in rows})):
+        rs = sorted((r for r in rows if r["P"] == world), key=lambda r: r["N"])
+        n = [r["N"] for r in rs]
+        for vi, v in enumerate(variants):
+            color = f"C{vi}"
+            ax_t.plot(
+                n, [r[f"{v}_ms"] for r in rs], styles.get(i, "-o"), color=color, label=f"{v}, P={world}"
+            )
+            if v != "ulysses":
+                ax_r.plot(n, [r.get(f"{v}_ratio") for r in rs], styles.get(i, "-o"), color=color,
+                          label=f"{v}, P={world}")  # fmt: skip
+    ax_r.axhline(1.15, color="gray", linestyle=":", label="target 1.15")
+    cfg = data.get("config", {})
+    shape = (
+        f"b={cfg.get('batch', 1)} h={cfg.get('heads')} d={cfg.get('head_dim')} chunk {cfg.get('chunk_size')}"
+    )
+    _log2_axes(ax_t, "global sequence length N", "ms (slowest rank)", f"attention fwd+bwd, median ({shape})",
+               legend="x-small")  # fmt: skip
+    _log2_axes(ax_r, "global sequence length N", "time / Ulysses", "paired per-round ratio to Ulysses",
+               logy=False, legend="x-small")  # fmt: skip
     return fig
 
 
@@ -196,6 +226,7 @@ def plot_gpu_mfu(data: dict[str, Any]) -> Any:
 
 PLOTS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "ulysses_attention": plot_ulysses,
+    "attention": plot_attention,
     "throughput": plot_throughput,
     "memory": plot_memory,
     "soak": plot_soak,

@@ -11,6 +11,7 @@ from lightning_longctx.attention import fpdt_attention, ulysses_attention
 from lightning_longctx.chunked_loss import chunked_lm_head_cross_entropy
 from lightning_longctx.integrations.transformers import disable_sequence_parallel, enable_sequence_parallel
 from lightning_longctx.loss import sequence_parallel_cross_entropy
+from lightning_longctx.planner import plan_memory
 from lightning_longctx.sharding import gather_sequence, shard_batch, shard_sequence
 from lightning_longctx.strategy import UlyssesFPDTStrategy
 from lightning_longctx.tiling import tile_mlp_
@@ -31,6 +32,7 @@ __all__ = [
     "enable_sequence_parallel",
     "fpdt_attention",
     "gather_sequence",
+    "plan_memory",
     "sequence_parallel_cross_entropy",
     "shard_batch",
     "shard_sequence",

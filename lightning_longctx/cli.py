@@ -1,10 +1,11 @@
-"""The ``lightning-longctx`` console script: LightningCLI, plus ``lightning-longctx slurm``.
+"""The ``lightning-longctx`` console script: LightningCLI, plus ``lightning-longctx slurm`` and ``plan``.
 
 ::
 
     lightning-longctx fit --config examples/configs/demo_cpu.yaml
     lightning-longctx validate --config my.yaml --ckpt_path last.ckpt
     lightning-longctx slurm --nodes 4 --gpus-per-node 8 --config my.yaml -o train.sbatch
+    lightning-longctx plan --config my.yaml --device-memory 80GiB
 
 Importing this module imports ``lightning_longctx``, which registers the strategy names
 (``--trainer.strategy=ulysses_fpdt`` / ``ulysses`` / ``fpdt_offload``). ``--model`` takes any
@@ -25,7 +26,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 import lightning_longctx  # noqa: F401  (registers the strategy names before the Trainer parses them)
-from lightning_longctx import slurm
+from lightning_longctx import plan_cli, slurm
 from lightning_longctx.callbacks.progress import step_aware_progress_bar
 
 __all__ = ["LongCtxCLI", "main"]
@@ -57,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "slurm":
         return slurm.main(args[1:])
+    if args and args[0] == "plan":
+        return plan_cli.main(args[1:])
     LongCtxCLI(
         L.LightningModule,
         None,  # --data optional (a model may bring its own dataloaders); any LightningDataModule class_path

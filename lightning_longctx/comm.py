@@ -4,6 +4,11 @@ Layouts: ``bshd`` = (batch, seq, heads, head_dim). ``P`` = size of the sequence-
 
 * ``seq_to_head(x)``: (b, s, h, d) "my tokens, all heads" -> (b, P*s, h_r, d) "all tokens, my heads".
 * ``head_to_seq(x)``: the inverse. The backward of one is the other (scatter and gather swapped).
+* ``seq_to_head_packed(q, k, v)``: several tensors (GQA k/v may have fewer heads) in ONE all-to-all of
+  a flat buffer with per-rank split sizes; its backward is one all-to-all too (Ulysses).
+* ``seq_to_head_async`` / ``head_to_seq_async``: the no-grad ones started in the background
+  (``async_op=True``), returning a :class:`PendingAllToAll` whose ``wait()`` gives the result (FPDT's
+  overlap of communication with compute).
 
 Heads are split in contiguous blocks, rank r owning ``head_split(h, P)[r]`` heads; when ``h % P != 0``
 the first ``h % P`` ranks own one head more (``all_to_all_single`` with uneven split sizes).
@@ -11,7 +16,7 @@ the first ``h % P`` ranks own one head more (``all_to_all_single`` with uneven s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -67,18 +72,52 @@ def count_all_to_all() -> Iterator[AllToAllCount]:
 
 
 def _all_to_all(
-    out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group
-):
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: Group,
+    async_op: bool = False,
+) -> Any:
     """``all_to_all_single`` on FLAT buffers; splits are element counts (gloo and NCCL accept uneven
-    ones). Inputs must be contiguous: a permuted ``empty_like`` silently produced garbage."""
-    dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
+    ones). Inputs must be contiguous: a permuted ``empty_like`` silently produced garbage. Returns the
+    ``Work`` handle with ``async_op=True``, else None (``out`` is filled)."""
+    work = dist.all_to_all_single(
+        out, inp.contiguous(), out_splits, in_splits, group=group, async_op=async_op
+    )
     if _OPEN_COUNTS:
         rank, _ = group_rank_size(group)
         sent = (sum(in_splits) - in_splits[rank]) * inp.element_size()
         for count in _OPEN_COUNTS:
             count.calls += 1
             count.bytes_sent += sent
-    return out
+    return work
+
+
+class PendingAllToAll:
+    """An all-to-all in flight (``async_op=True``); :meth:`wait` returns its result.
+
+    Keeps the send and receive buffers alive until then (the collective reads and writes them in the
+    background: gloo's worker threads, NCCL's stream; ``Work.wait`` makes the current CUDA stream wait).
+    The compute issued between the launch and the first ``wait`` overlaps with the transfer; later
+    calls return the same result."""
+
+    def __init__(self, work: Any, finish: Callable[[], Any], *buffers: torch.Tensor) -> None:
+        self._work, self._finish, self._buffers = work, finish, buffers
+        self._result: Any = None
+
+    @classmethod
+    def done(cls, result: Any) -> PendingAllToAll:
+        """An already finished one (a group of one rank: nothing to send)."""
+        return cls(None, lambda: result)
+
+    def wait(self) -> Any:
+        if self._finish is not None:
+            if self._work is not None:
+                self._work.wait()
+            self._result = self._finish()
+            self._finish, self._work, self._buffers = None, None, ()
+        return self._result
 
 
 # Buffers are laid out rank-first, (P, b, s, heads, d), as DeepSpeed does: for batch 1 the receive side
@@ -86,7 +125,7 @@ def _all_to_all(
 # 15 full-tensor copies per forward+backward of an attention layer against 8 here).
 
 
-def _seq_to_head(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _seq_to_head(x: torch.Tensor, group: Group, async_op: bool = False) -> Any:
     rank, world = group_rank_size(group)
     b, s, h, d = x.shape
     splits = head_split(h, world)
@@ -96,25 +135,105 @@ def _seq_to_head(x: torch.Tensor, group: Group) -> torch.Tensor:
     else:  # uneven heads: concatenate each rank's (b, s, h_j, d) block
         send = torch.cat([blk.reshape(-1) for blk in x.split(splits, dim=2)])
     recv = torch.empty((world, b, s, mine, d), dtype=x.dtype, device=x.device)
-    _all_to_all(
-        recv.view(-1), send.view(-1), [b * s * mine * d] * world, [b * s * m * d for m in splits], group
+    work = _all_to_all(
+        recv.view(-1),
+        send.view(-1),
+        [b * s * mine * d] * world,
+        [b * s * m * d for m in splits],
+        group,
+        async_op,
     )
-    # recv[j] = source rank j's s tokens of my heads -> (b, P*s, mine, d), rank order = sequence order
-    return recv.transpose(0, 1).reshape(b, world * s, mine, d)
+
+    def finish() -> torch.Tensor:
+        # recv[j] = source rank j's s tokens of my heads -> (b, P*s, mine, d), rank order = sequence order
+        return recv.transpose(0, 1).reshape(b, world * s, mine, d)
+
+    return PendingAllToAll(work, finish, send, recv) if async_op else finish()
 
 
-def _head_to_seq(x: torch.Tensor, num_heads: int, group: Group) -> torch.Tensor:
+def _head_to_seq(x: torch.Tensor, num_heads: int, group: Group, async_op: bool = False) -> Any:
     _, world = group_rank_size(group)
     b, seq, mine, d = x.shape
     s = seq // world
     splits = head_split(num_heads, world)
     send = x.reshape(b, world, s, mine, d).transpose(0, 1).contiguous()  # (P, b, s, mine, d)
     recv = torch.empty(b * s * num_heads * d, dtype=x.dtype, device=x.device)
-    _all_to_all(recv, send.view(-1), [b * s * m * d for m in splits], [b * s * mine * d] * world, group)
-    if num_heads % world == 0:
-        return recv.view(world, b, s, mine, d).permute(1, 2, 0, 3, 4).reshape(b, s, num_heads, d)
-    blocks = recv.split([b * s * m * d for m in splits])
-    return torch.cat([blk.view(b, s, m, d) for blk, m in zip(blocks, splits)], dim=2)
+    work = _all_to_all(
+        recv, send.view(-1), [b * s * m * d for m in splits], [b * s * mine * d] * world, group, async_op
+    )
+
+    def finish() -> torch.Tensor:
+        if num_heads % world == 0:
+            return recv.view(world, b, s, mine, d).permute(1, 2, 0, 3, 4).reshape(b, s, num_heads, d)
+        blocks = recv.split([b * s * m * d for m in splits])
+        return torch.cat([blk.view(b, s, m, d) for blk, m in zip(blocks, splits)], dim=2)
+
+    return PendingAllToAll(work, finish, send, recv) if async_op else finish()
+
+
+def _seq_to_head_packed(xs: Sequence[torch.Tensor], group: Group) -> list[torch.Tensor]:
+    """Several ``(b, s, h_x, d)`` tensors (same b, s, d and dtype; any heads) in ONE all-to-all: the
+    send buffer holds, for each destination rank, its head block of every tensor one after the other.
+    Returns ``(b, P*s, h_x_r, d)`` per tensor, as :func:`_seq_to_head` would one by one."""
+    rank, world = group_rank_size(group)
+    b, s, _, d = xs[0].shape
+    splits = [head_split(x.shape[2], world) for x in xs]  # per tensor, per rank
+    mine = [sp[rank] for sp in splits]
+    if all(x.shape[2] % world == 0 for x in xs):  # (P, sum_x b*s*h_x/P*d): one strided copy per tensor
+        send = torch.empty((world, b * s * d * sum(mine)), dtype=xs[0].dtype, device=xs[0].device)
+        off = 0
+        for x, m in zip(xs, mine):
+            send[:, off : off + b * s * m * d].view(world, b, s, m, d).copy_(
+                x.view(b, s, world, m, d).permute(2, 0, 1, 3, 4)
+            )
+            off += b * s * m * d
+    else:  # uneven heads: rank j's blocks of every tensor, rank by rank
+        blocks = [x.split(sp, dim=2) for x, sp in zip(xs, splits)]
+        send = torch.cat([blk[j].reshape(-1) for j in range(world) for blk in blocks])
+    in_splits = [b * s * d * sum(sp[j] for sp in splits) for j in range(world)]
+    recv = torch.empty((world, b * s * d * sum(mine)), dtype=xs[0].dtype, device=xs[0].device)
+    _all_to_all(recv.view(-1), send.view(-1), [b * s * d * sum(mine)] * world, in_splits, group)
+    out, off = [], 0
+    for m in mine:  # recv[j] = source rank j's s tokens of my heads of every tensor
+        part = recv[:, off : off + b * s * m * d].reshape(world, b, s, m, d)
+        out.append(part.transpose(0, 1).reshape(b, world * s, m, d))
+        off += b * s * m * d
+    return out
+
+
+def _head_to_seq_packed(
+    xs: Sequence[torch.Tensor], num_heads: Sequence[int], group: Group
+) -> list[torch.Tensor]:
+    """Inverse of :func:`_seq_to_head_packed`: ``(b, P*s, h_x_r, d)`` per tensor -> ``(b, s, h_x, d)``."""
+    rank, world = group_rank_size(group)
+    b, seq, _, d = xs[0].shape
+    s = seq // world
+    splits = [head_split(h, world) for h in num_heads]
+    mine = [sp[rank] for sp in splits]
+    send = torch.empty((world, b * s * d * sum(mine)), dtype=xs[0].dtype, device=xs[0].device)
+    off = 0
+    for x, m in zip(xs, mine):  # send[j] = destination rank j's s tokens of my heads of every tensor
+        send[:, off : off + b * s * m * d].view(world, b, s, m, d).copy_(
+            x.view(b, world, s, m, d).transpose(0, 1)
+        )
+        off += b * s * m * d
+    out_splits = [b * s * d * sum(sp[j] for sp in splits) for j in range(world)]
+    recv = torch.empty(sum(out_splits), dtype=xs[0].dtype, device=xs[0].device)
+    _all_to_all(recv, send.view(-1), out_splits, [b * s * d * sum(mine)] * world, group)
+    if all(h % world == 0 for h in num_heads):
+        rows, out, off = recv.view(world, -1), [], 0
+        for h, m in zip(num_heads, mine):
+            part = rows[:, off : off + b * s * m * d].reshape(world, b, s, m, d)
+            out.append(part.permute(1, 2, 0, 3, 4).reshape(b, s, h, d))
+            off += b * s * m * d
+        return out
+    per_rank = recv.split(out_splits)  # rank j's blocks of every tensor, in tensor order
+    pieces: list[list[torch.Tensor]] = [[] for _ in xs]
+    for j, chunk in enumerate(per_rank):
+        parts = chunk.split([b * s * sp[j] * d for sp in splits])
+        for t, (part, sp) in enumerate(zip(parts, splits)):
+            pieces[t].append(part.view(b, s, sp[j], d))
+    return [torch.cat(p, dim=2) for p in pieces]
 
 
 class _SeqToHead(torch.autograd.Function):
@@ -137,6 +256,58 @@ class _HeadToSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _seq_to_head(grad, ctx.group), None, None
+
+
+class _SeqToHeadPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, group: Group, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group, ctx.num_heads = group, [x.shape[2] for x in xs]
+        outs = _seq_to_head_packed(xs, group)
+        ctx.shapes = [o.shape for o in outs]
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        like = next(g for g in grads if g is not None)
+        # an output that got no gradient still takes its place in the one buffer
+        full = [like.new_zeros(shape) if g is None else g for g, shape in zip(grads, ctx.shapes)]
+        return (None, *_head_to_seq_packed(full, ctx.num_heads, ctx.group))
+
+
+def seq_to_head_packed(*xs: torch.Tensor, group: Group = None) -> tuple[torch.Tensor, ...]:
+    """:func:`seq_to_head` of several ``(b, s, h_x, d)`` tensors (same b, s, d; heads may differ, e.g. q
+    and GQA k/v) in ONE all-to-all, forward and backward: ``(b, P*s, h_x_r, d)`` each. Tensors of
+    different dtypes (a buffer has one) go one by one instead."""
+    for x in xs:
+        if x.dim() != 4:
+            raise ValueError(
+                f"seq_to_head_packed expects bshd tensors (batch, seq, heads, head_dim), got shape {tuple(x.shape)}"
+            )
+    first = xs[0]
+    for x in xs[1:]:
+        if (x.shape[0], x.shape[1], x.shape[3]) != (first.shape[0], first.shape[1], first.shape[3]):
+            raise ValueError(
+                f"seq_to_head_packed needs equal (batch, seq, head_dim): {tuple(first.shape)} vs {tuple(x.shape)}; "
+                "send them one by one with seq_to_head"
+            )
+    if any(x.dtype != first.dtype for x in xs):  # autocast can leave q in fp32 and k/v in bf16
+        return tuple(seq_to_head(x, group) for x in xs)
+    if group_rank_size(group)[1] == 1:
+        return tuple(xs)
+    return _SeqToHeadPacked.apply(group, *xs)
+
+
+def seq_to_head_async(x: torch.Tensor, group: Group = None) -> PendingAllToAll:
+    """:func:`seq_to_head_no_grad` started in the background: ``.wait()`` gives ``(b, P*s, h_r, d)``.
+    The layout copy into the send buffer happens now, the one out of the receive buffer at ``wait``."""
+    return PendingAllToAll.done(x) if group_rank_size(group)[1] == 1 else _seq_to_head(x, group, True)
+
+
+def head_to_seq_async(x: torch.Tensor, num_heads: int, group: Group = None) -> PendingAllToAll:
+    """:func:`head_to_seq_no_grad` started in the background: ``.wait()`` gives ``(b, s, num_heads, d)``."""
+    return (
+        PendingAllToAll.done(x) if group_rank_size(group)[1] == 1 else _head_to_seq(x, num_heads, group, True)
+    )
 
 
 def seq_to_head_no_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:

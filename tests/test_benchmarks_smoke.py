@@ -55,6 +55,38 @@ def test_bench_ulysses_smoke(tmp_path: Path) -> None:
         assert row["deepspeed_batch_dim_none_diff"] > 1e-3  # the batch_dim_idx=None trap is real
 
 
+def test_bench_attention_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "attention.json"
+    _run_script(
+        [
+            "benchmarks/bench_attention.py",
+            *(
+                "--seq-lens",
+                "256",
+                "--world-sizes",
+                "2",
+                "--chunk-size",
+                "32",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+            ),
+            *("--head-dim", "16", "--repeats", "1", "--profile-seq-lens", "256", "--out", str(out)),
+        ],
+        timeout=150,
+    )
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "attention" and data["checks_passed"] and not data["failures"]
+    (row,) = data["results"]
+    assert (row["P"], row["N"], row["chunk"]) == (2, 256, 32)
+    assert row["fpdt_kernels"] == ["cpu_flash"]
+    for v in ("fpdt", "fpdt_offload", "fpdt_no_overlap", "fpdt_math"):
+        assert row[f"{v}_ms"] > 0 and row[f"{v}_ratio"] > 0 and row[f"{v}_diff"] < 1e-4
+    assert set(row["profile_rank0"]) == {"ulysses", "fpdt", "fpdt_offload", "fpdt_no_overlap", "fpdt_math"}
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
 def test_bench_memory_smoke(tmp_path: Path) -> None:
     out = tmp_path / "memory.json"
     _run_script(
@@ -88,4 +120,4 @@ def test_bench_throughput_smoke(tmp_path: Path) -> None:
 def test_plot_writes_pngs(tmp_path: Path) -> None:
     _run_script(["benchmarks/plot.py", "--results", "benchmarks/results", "--out", str(tmp_path)])
     names = {p.name for p in tmp_path.glob("*.png")}
-    assert names >= {"ulysses_time.png", "memory.png", "throughput.png", "soak.png"}
+    assert names >= {"ulysses_time.png", "memory.png", "throughput.png", "soak.png", "attention.png"}

@@ -59,6 +59,16 @@ def test_documented_command_is_exercised(where: str, cmd: str, tmp_path: Path) -
         argv = ["-m", "lightning_longctx", *args[1:i], "-o", str(out), *args[i + 2 :]]
         subprocess.run([sys.executable, *argv], cwd=ROOT, check=True, timeout=120)
         assert "#SBATCH --signal=SIGUSR1@90" in out.read_text()
+    elif args[:2] == ["lightning-longctx", "plan"]:  # cheap: runs for real
+        proc = subprocess.run(
+            [sys.executable, "-m", "lightning_longctx", *args[1:]],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "total at peak" in proc.stdout or "--json" in args
     elif args[:2] == ["lightning-longctx", "fit"]:
         proc = subprocess.run(
             [sys.executable, "-m", "lightning_longctx", *args[1:], "--print_config"],

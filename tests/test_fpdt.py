@@ -51,8 +51,11 @@ def _inputs(cfg: dict, dtype: torch.dtype = torch.float64):
     return q, k, v, w, pos
 
 
-def _fpdt(cfg: dict, q, k, v, w, pos, *, offload: bool):
-    """Shard, run FPDT forward + backward, gather: (out, dq, dk, dv) in global order."""
+def _fpdt(
+    cfg: dict, q, k, v, w, pos, *, offload: bool, backend: str = "auto", overlap: bool = True, kernels=None
+):
+    """Shard, run FPDT forward + backward, gather: (out, dq, dk, dv) in global order. ``kernels``: a set
+    that receives the names of the kernels the blocks ran."""
     c = N // (cfg["u"] * dist.get_world_size())
     loc = [shard_sequence(x, chunk_size=c).requires_grad_() for x in (q, k, v)]
     out = fpdt_attention(
@@ -64,12 +67,16 @@ def _fpdt(cfg: dict, q, k, v, w, pos, *, offload: bool):
         offload=offload,
         sliding_window=cfg.get("window"),
         block_size=cfg.get("block", 1024),
+        backend=backend,
+        overlap=overlap,
     )
+    if kernels is not None:
+        kernels |= out.grad_fn.cfg.plan.kernel_names()
     (out * shard_sequence(w, chunk_size=c)).sum().backward()
     return [gather_sequence(x, chunk_size=c) for x in (out.detach(), *(t.grad for t in loc))]
 
 
-def _run_case(name: str) -> dict:
+def _run_case(name: str, backend: str = "auto") -> dict:
     cfg = CASES[name]
     q, k, v, w, pos = _inputs(cfg)
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -81,16 +88,48 @@ def _run_case(name: str) -> dict:
         sliding_window=cfg.get("window"),
     )
     (ref * w).sum().backward()
-    got = _fpdt(cfg, q, k, v, w, pos, offload=cfg.get("offload", False))
+    kernels: set[str] = set()
+    got = _fpdt(cfg, q, k, v, w, pos, offload=cfg.get("offload", False), backend=backend, kernels=kernels)
     want = [ref.detach(), *(x.grad for x in ref_in)]
-    return {nm: (a - b).abs().max().item() for nm, a, b in zip(["out", "dq", "dk", "dv"], got, want)}
+    errs = {nm: (a - b).abs().max().item() for nm, a, b in zip(["out", "dq", "dk", "dv"], got, want)}
+    return errs, kernels
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("name", list(CASES))
 def test_fpdt_matches_reference(dist_pool, world, name):
-    for errs in dist_pool(world).run(_run_case, name):
+    """The default backend: every block on the fused CPU kernel (causal diagonal and full blocks whole,
+    document / window tiles with an additive mask)."""
+    for errs, kernels in dist_pool(world).run(_run_case, name):
         assert max(errs.values()) < 1e-10, errs
+        assert kernels == {"cpu_flash"}, kernels
+
+
+MATH_CASES = ["causal_u4", "noncausal_u4", "uneven_gqa", "tiles_packed_window", "offload_noncausal"]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("name", MATH_CASES)
+def test_fpdt_math_blocks_match_reference(dist_pool, world, name):
+    """backend="math": the reference blocks (tiled score matrices) stay exact too."""
+    for errs, kernels in dist_pool(world).run(_run_case, name, "math"):
+        assert max(errs.values()) < 1e-10, errs
+        assert kernels == {"math"}, kernels
+
+
+def _overlap_identical(name: str) -> bool:
+    cfg = CASES[name]
+    q, k, v, w, pos = _inputs(cfg, torch.float32)
+    on = _fpdt(cfg, q, k, v, w, pos, offload=cfg.get("offload", False), overlap=True)
+    off = _fpdt(cfg, q, k, v, w, pos, offload=cfg.get("offload", False), overlap=False)
+    return all(torch.equal(a, b) for a, b in zip(on, off))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["causal_u8", "noncausal_u4", "offload_gqa_packed"])
+def test_overlap_bit_identical(dist_pool, world, name):
+    """Background all-to-alls change when data moves, not what is computed."""
+    assert all(dist_pool(world).run(_overlap_identical, name))
 
 
 def _offload_identical(name: str) -> dict:

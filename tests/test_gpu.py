@@ -21,6 +21,8 @@ from hf_models import tiny_model
 from reference import reference_attention
 
 from lightning_longctx import chunked_lm_head_cross_entropy, enable_sequence_parallel, shard_batch, tile_mlp_
+from lightning_longctx.attention import fused
+from lightning_longctx.attention.common import MaskSpec
 from lightning_longctx.attention.fpdt import fpdt_attention
 from lightning_longctx.attention.offload import offloaded_bytes, track_offload_residency
 from lightning_longctx.attention.ulysses import ulysses_attention
@@ -102,6 +104,107 @@ def test_fpdt_single_gpu_matches_reference(name, window):
         got = [out.detach(), *(x.grad for x in inp)]
         errs.append([(a.double().cpu() - e).abs().max().item() for a, e in zip(got, want)])
     _check(*errs, name)
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_fused_kernel_probe_finds_a_kernel(name):
+    """A fused block kernel passes its probe on this device (CUDA: flash-attn, the flash or the
+    memory-efficient SDPA op; CPU: the CPU flash op) and FPDT's unmasked blocks use it."""
+    dtype = DTYPES[name]
+    kern = fused.fused_kernel(DEVICE, dtype)
+    masked = fused.fused_kernel(DEVICE, dtype, bias=True)
+    print(f"{DEVICE} {name}: {kern}; with a mask: {masked}")
+    assert kern is not None, f"no fused kernel passed its probe on {DEVICE} {name}: FPDT runs the math blocks"
+    q, k, v = (torch.randn(1, 512, h, 64, device=DEVICE, dtype=dtype, requires_grad=True) for h in (8, 2, 2))
+    out = fpdt_attention(q, k, v, chunk_size=128)
+    assert out.grad_fn.cfg.plan.kernel_names() == {kern.name}  # the Function's ctx holds the plan
+
+
+def _fused_recipe(kern, q, k, v, dout, masked: bool):
+    """FPDT's recipe on one q segment (rows S..2S) and two kv blocks: forward merged, backward per
+    block from the merged row. [out, dq, dk, dv] (fused; ``kern`` None: the math blocks)."""
+    from lightning_longctx.attention import kernels as math
+
+    b, s, _, d = q.shape
+    docs = torch.tensor([[0] * (s // 3) + [1] * (2 * s - s // 3)] * b, device=q.device)
+    specs = []
+    for j in (0, 1):
+        spec = MaskSpec(causal=True, q_start=s, k_start=j * s)
+        if masked:
+            spec = MaskSpec(causal=True, sliding_window=s // 2 + 7, q_start=s, k_start=j * s,
+                            q_doc=docs[:, s:], k_doc=docs[:, j * s : (j + 1) * s])  # fmt: skip
+        specs.append((slice(j * s, (j + 1) * s), spec, j == 1 and not masked))
+    acc = None
+    for ks, spec, causal in specs:
+        if kern is None:
+            blk = math.block_forward(q, k[:, ks], v[:, ks], scale=d**-0.5, mask=spec)
+        else:
+            bias = fused.additive_mask(spec, s, s, q.dtype, q.device) if masked else None
+            blk = fused.block_forward(kern, q, k[:, ks], v[:, ks], scale=d**-0.5, causal=causal, bias=bias)
+        acc = blk if acc is None else math.merge_blocks(*acc, *blk)
+    out, lse = acc[0].to(q.dtype), acc[1]
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    delta = (dout.to(ct) * out.to(ct)).sum(-1).transpose(1, 2)
+    grads = [torch.zeros(x.shape, dtype=ct, device=q.device) for x in (q, k, v)]
+    for ks, spec, causal in specs:
+        if kern is None:
+            g = math.block_backward(dout, q, k[:, ks], v[:, ks], lse, delta, scale=d**-0.5, mask=spec)
+        else:
+            bias = fused.additive_mask(spec, s, s, q.dtype, q.device) if masked else None
+            g = fused.block_backward(kern, dout, q, k[:, ks], v[:, ks], out, lse, scale=d**-0.5, causal=causal,
+                                     bias=bias)  # fmt: skip
+        grads[0] += g[0]
+        grads[1][:, ks] += g[1]
+        grads[2][:, ks] += g[2]
+    return [out, *grads]
+
+
+def _plain_row(q, k, v, dout, masked: bool):
+    """Plain PyTorch in the inputs' dtype (autograd through a softmax) over the same row: [out, dq, dk, dv]."""
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    _, s, h, d = q.shape
+    ke, ve = (x.repeat_interleave(h // k.shape[2], dim=2) for x in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, ke) * d**-0.5
+    qi, ki = torch.arange(s, 2 * s, device=q.device)[:, None], torch.arange(2 * s, device=q.device)[None]
+    allowed = ki <= qi
+    if masked:
+        docs = (torch.arange(2 * s, device=q.device) >= s // 3).long()
+        allowed = allowed & (ki > qi - (s // 2 + 7)) & (docs[s:, None] == docs[None, :])
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), ve)
+    out.backward(dout)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+@pytest.mark.parametrize("masked", [False, True], ids=["causal_full", "docs_window"])
+def test_fused_blocks_on_device_within_2x_plain(name, masked):
+    """Every fused block kind on this device vs float64 on the CPU: at most 2x the error of plain
+    PyTorch in the same dtype on the same device, plus the floor (flash-attention's rule). In bf16 the
+    fused op rounds each block's gradient to bf16 before FPDT sums them in fp32."""
+    dtype = DTYPES[name]
+    kern = fused.fused_kernel(DEVICE, dtype, bias=masked)
+    if kern is None:
+        pytest.skip(
+            f"no fused kernel {'with a mask ' if masked else ''}on {DEVICE} {name}: math tiles serve it"
+        )
+    g = torch.Generator().manual_seed(7)
+    b, s, h, h_kv, d = 2, 256, 8, 2, 64
+    q, dout = (torch.randn(b, s, h, d, generator=g).to(dtype).double() for _ in range(2))
+    k, v = (torch.randn(b, 2 * s, h_kv, d, generator=g).to(dtype).double() for _ in range(2))
+    exact = _plain_row(q, k, v, dout, masked)
+    assert (
+        max((a - e).abs().max().item() for a, e in zip(_fused_recipe(None, q, k, v, dout, masked), exact))
+        < 1e-10
+    )
+    on = [x.to(DEVICE, dtype) for x in (q, k, v, dout)]
+    ours = _fused_recipe(kern, *on, masked)
+    plain = _plain_row(*on, masked)
+    for what, o, p, e in zip(("out", "dq", "dk", "dv"), ours, plain, exact):
+        err_o, err_p = ((x.double().cpu() - e).abs().max().item() for x in (o, p))
+        assert err_o <= 2 * err_p + FLOOR[name], (
+            f"{kern.name} {what}: {err_o:.3g} vs plain {err_p:.3g} ({name})"
+        )
 
 
 def _fpdt_step(q, k, v, w, *, offload: bool, chunk: int):

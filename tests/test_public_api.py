@@ -17,6 +17,7 @@ PUBLIC = {
     "enable_sequence_parallel",
     "fpdt_attention",
     "gather_sequence",
+    "plan_memory",
     "sequence_parallel_cross_entropy",
     "shard_batch",
     "shard_sequence",

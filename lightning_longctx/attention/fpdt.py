@@ -6,15 +6,27 @@ chunks. The all-to-all of local chunk i gives every rank the contiguous GLOBAL s
 (``S = P*c`` tokens starting at ``i*S``) with its block of heads.
 
 Forward, per segment i: all-to-all q_i; attend to the kv segments j ≤ i (all j when not causal) one
-block at a time with ``block_forward``, merging block results with an fp32 online softmax on the
-log-sum-exp; all-to-all the output back to local chunk i. Only q, k, v, out (head layout) and lse are
-kept per segment — no scores, no probabilities — on the device or, with ``offload=True``, in host
-memory with the next kv chunk prefetched on a side stream while the current block computes.
+block at a time, merging block results with an fp32 online softmax on the log-sum-exp; all-to-all the
+output back to local chunk i. Only q, k, v, out (head layout) and lse are kept per segment — no
+scores, no probabilities — on the device or, with ``offload=True``, in host memory with the next kv
+chunk prefetched on a side stream while the current block computes.
 
 Backward: outer loop over kv segments j, inner over q segments i it reaches (i ≥ j when causal);
-``block_backward`` recomputes the block's probabilities from the saved lse; dk/dv/dq accumulate in
-fp32 in fresh buffers (never in-place into saved tensors). A gradient leaves through the inverse
-all-to-all as soon as it is final.
+each block is recomputed from the row's saved FINAL (out, lse); dk/dv/dq accumulate in fp32 in fresh
+buffers (never in-place into saved tensors). A gradient leaves through the inverse all-to-all as soon
+as it is final.
+
+Kernels (``BlockPlan.units``): with a fused kernel (``fused.py``: the CPU flash op, CUDA flash /
+memory-efficient / flash-attn, whichever passed its probe) a block that only the causal diagonal
+masks, or nothing, is ONE kernel call (no tiling: the fused kernel never builds the score matrix);
+a block that packed documents or a sliding window cut is tiled by ``block_size`` and each tile runs
+the fused kernel with an additive mask (when the op takes one exactly), tiles the mask empties are
+skipped. The math blocks of ``kernels.py`` (the reference) serve soft-capping, ``backend="math"``,
+ops that failed their probe, and masked tiles where no fused op takes a mask.
+
+Overlap (``overlap=True``): the all-to-alls are started in the background (``comm.*_async``): the next
+segment's q, k, v travel while the current one computes, and each output (in backward each dk/dv/dq)
+while the next computes; in backward the next dout segment travels during the current block.
 
 Attention sinks fold into each q segment's final ``(out, lse)`` after the online softmax
 (``merge_sinks``); the saved lse is the sink-aware total, so the recomputed probabilities, delta and
@@ -29,6 +41,7 @@ from typing import Any
 
 import torch
 
+from lightning_longctx.attention import fused
 from lightning_longctx.attention.common import (
     MaskSpec,
     check_qkv,
@@ -36,11 +49,11 @@ from lightning_longctx.attention.common import (
     check_softcap,
     compute_dtype,
     default_scale,
-    doc_ids,
-    has_resets,
+    global_docs,
     local_heads,
     spread_kv_heads,
 )
+from lightning_longctx.attention.fused import FusedKernel, additive_mask, common_dtype, fused_kernel
 from lightning_longctx.attention.kernels import (
     block_backward,
     block_forward,
@@ -50,12 +63,31 @@ from lightning_longctx.attention.kernels import (
     sink_grad,
 )
 from lightning_longctx.attention.offload import ChunkStore
-from lightning_longctx.comm import Group, group_rank_size, head_to_seq_no_grad, seq_to_head_no_grad
+from lightning_longctx.comm import (
+    Group,
+    PendingAllToAll,
+    group_rank_size,
+    head_to_seq_async,
+    seq_to_head_async,
+)
 from lightning_longctx.sharding import gather_sequence
 
-#: Backends FPDT accepts: its blocks need the log-sum-exp and a matching block backward, which the
-#: math building blocks of ``kernels.py`` provide on every device.
-FPDT_BACKENDS = ("auto", "math")
+#: Backends FPDT accepts: its blocks need the log-sum-exp and a backward given the row's final
+#: (out, lse). "auto": a fused kernel where one passed its probe (``fused.py``), else math; "fused":
+#: the fused kernel or an error; "math": the math building blocks of ``kernels.py`` (the reference).
+FPDT_BACKENDS = ("auto", "fused", "math")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One kernel call of block (i, j): q rows ``qs`` and kv rows ``ks`` (slices into the segments),
+    ``kind`` "full" | "causal" (fused, no mask / the square causal mask) | "bias" (fused with an
+    additive mask) | "math" (the math block), and the block's ``mask`` with global offsets."""
+
+    qs: slice
+    ks: slice
+    kind: str
+    mask: MaskSpec
 
 
 @dataclass(frozen=True)
@@ -74,6 +106,9 @@ class BlockPlan:
     sliding_window: int | None
     docs: torch.Tensor | None
     live: tuple[tuple[bool, ...], ...]
+    kernel: FusedKernel | None = None  # fused kernel of unmasked blocks; None: math everywhere
+    bias_kernel: FusedKernel | None = None  # fused kernel of masked tiles; None: math tiles
+    docs_cpu: torch.Tensor | None = None  # docs on the host: tiles are classified without syncs
 
     @classmethod
     def build(
@@ -85,18 +120,24 @@ class BlockPlan:
         causal: bool,
         sliding_window: int | None,
         docs: torch.Tensor | None,
+        kernel: FusedKernel | None = None,
+        bias_kernel: FusedKernel | None = None,
     ) -> BlockPlan:
         u, S = num_segments, seg_len
         idx = torch.arange(u)
         live = torch.ones(u, u, dtype=torch.bool) if not causal else idx[None, :] <= idx[:, None]  # [i, j]
         if sliding_window is not None:  # keys of block j all older than the window of block i's first query
             live &= (idx[None, :] * S + S - 1) > (idx[:, None] * S - sliding_window)
+        docs_cpu = None
         if docs is not None:  # doc ids never decrease along the sequence: compare segment ranges
-            first, last = docs[:, ::S].cpu(), docs[:, S - 1 :: S].cpu()  # (b, u), one device sync
+            docs_cpu = docs.cpu() if kernel is not None else None  # fused plans classify tiles on the host
+            src = docs if docs_cpu is None else docs_cpu
+            first, last = src[:, ::S].cpu(), src[:, S - 1 :: S].cpu()  # (b, u), one device sync
             disjoint = (last[:, None, :] < first[:, :, None]) | (first[:, None, :] > last[:, :, None])
             live &= ~disjoint.all(0)
+        rows = tuple(tuple(row) for row in live.tolist())
         return cls(
-            u, S, min(block_size, S), causal, sliding_window, docs, tuple(tuple(row) for row in live.tolist())
+            u, S, min(block_size, S), causal, sliding_window, docs, rows, kernel, bias_kernel, docs_cpu
         )
 
     def cols(self, i: int) -> list[int]:
@@ -136,6 +177,60 @@ class BlockPlan:
                 out.append((slice(a, a + q1 - q0), slice(b, b + k1 - k0), mask))
         return out
 
+    def _cut(self, q0: int, q1: int, k0: int, k1: int) -> str | None:
+        """How the mask cuts global rows ``[q0, q1)`` x keys ``[k0, k1)``: None (nothing allowed), "full",
+        "causal" (the square causal diagonal) or "bias" (documents, the window, or an off-square cut)."""
+        cut = False
+        if self.docs_cpu is not None:
+            d = self.docs_cpu
+            fq, lq, fk, lk = d[:, q0], d[:, q1 - 1], d[:, k0], d[:, k1 - 1]
+            if bool(((lk < fq) | (fk > lq)).all()):
+                return None
+            cut = not bool(((fq == lq) & (fk == lk) & (fq == fk)).all())
+        if self.sliding_window is not None and q1 - 1 - k0 >= self.sliding_window:
+            cut = True
+        if cut:
+            return "bias"
+        if not (self.causal and k1 - 1 > q0):
+            return "full"
+        return "causal" if (q0, q1) == (k0, k1) else "bias"
+
+    def units(self, i: int, j: int) -> list[Unit]:
+        """The kernel calls of block (i, j), the same in forward and backward.
+
+        Math plans: the math tiles of :meth:`tiles`. Fused plans: one call for a block the mask leaves
+        whole or cuts only on the causal diagonal; otherwise its tiles, each fused with an additive
+        mask (or math when no fused op takes one), tiles the documents empty left out."""
+        if self.kernel is None:
+            return [Unit(qs, ks, "math", mask) for qs, ks, mask in self.tiles(i, j)]
+        S = self.seg_len
+        kind = self._cut(i * S, (i + 1) * S, j * S, (j + 1) * S)
+        if kind in ("full", "causal"):
+            mask = MaskSpec(
+                causal=self.causal, sliding_window=self.sliding_window, q_start=i * S, k_start=j * S
+            )
+            return [Unit(slice(0, S), slice(0, S), kind, mask)]
+        out = []
+        for qs, ks, mask in self.tiles(i, j):
+            q0, k0 = i * S + qs.start, j * S + ks.start
+            kind = self._cut(q0, i * S + qs.stop, k0, j * S + ks.stop)
+            if kind is None:
+                continue
+            if kind == "bias" and self.bias_kernel is None:
+                kind = "math"
+            out.append(Unit(qs, ks, kind, mask))
+        return out
+
+    def kernel_names(self) -> set[str]:
+        """Which kernels the plan's blocks run ("math", a fused kernel's name): tests and benchmarks."""
+        names = set()
+        for i in range(self.num_segments):
+            for j in self.cols(i):
+                for unit in self.units(i, j):
+                    kern = {"math": None, "bias": self.bias_kernel}.get(unit.kind, self.kernel)
+                    names.add("math" if kern is None else kern.name)
+        return names
+
 
 @dataclass(frozen=True)
 class _Config:
@@ -145,16 +240,83 @@ class _Config:
     plan: BlockPlan
     offload: bool
     softcap: float | None = None
+    overlap: bool = True
 
 
-def _to_heads(x: torch.Tensor, cfg: _Config) -> torch.Tensor:
-    """(b, c, h, d) local chunk -> (b, P*c, h_r, d) global segment, my heads."""
-    return seq_to_head_no_grad(x, cfg.group)
+def _to_heads(x: torch.Tensor, cfg: _Config) -> PendingAllToAll:
+    """(b, c, h, d) local chunk -> (b, P*c, h_r, d) global segment, my heads; ``.wait()`` for it."""
+    return seq_to_head_async(x, cfg.group)
 
 
-def _to_seq(x: torch.Tensor, num_heads: int, cfg: _Config) -> torch.Tensor:
+def _to_seq(x: torch.Tensor, num_heads: int, cfg: _Config) -> PendingAllToAll:
     """(b, P*c, h_r, d) -> (b, c, num_heads, d); inverse of :func:`_to_heads`."""
-    return head_to_seq_no_grad(x, num_heads, cfg.group)
+    return head_to_seq_async(x, num_heads, cfg.group)
+
+
+def _unit_forward(
+    unit: Unit, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: _Config
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (b, |qs|, h_r, d) fp32/fp64, lse (b, h_r, |qs|)) of one unit of a block."""
+    qb, kb, vb = q[:, unit.qs], k[:, unit.ks], v[:, unit.ks]
+    if unit.kind == "math":
+        return block_forward(qb, kb, vb, scale=cfg.scale, mask=unit.mask, softcap=cfg.softcap)
+    kern, bias = _fused_args(unit, qb, kb, cfg)
+    return fused.block_forward(kern, qb, kb, vb, scale=cfg.scale, causal=unit.kind == "causal", bias=bias)
+
+
+def _fused_args(
+    unit: Unit, q: torch.Tensor, k: torch.Tensor, cfg: _Config
+) -> tuple[Any, torch.Tensor | None]:
+    if unit.kind != "bias":
+        return cfg.plan.kernel, None
+    dtype = common_dtype(q, k)
+    return cfg.plan.bias_kernel, additive_mask(unit.mask, q.shape[1], k.shape[1], dtype, q.device)
+
+
+class _SegmentAcc:
+    """The running fp32 ``(out (b, S, h_r, d), lse (b, h_r, S))`` of one q segment's online softmax.
+
+    A unit over the whole segment merges whole tensors (new ones, no in-place writes); a tile merges
+    into its rows of buffers allocated here (fresh and never saved, so the row writes touch nothing
+    else). Rows no unit reached stay ``out = 0``, ``lse = -inf``."""
+
+    def __init__(self, seg_len: int) -> None:
+        self.seg_len = seg_len
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+        self.owned = False  # out/lse are buffers of this object (row writes allowed)
+
+    def add(self, qs: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
+        if qs.start == 0 and qs.stop == self.seg_len:
+            if self.out is None or self.lse is None:
+                self.out, self.lse = out, lse
+            else:
+                self.out, self.lse = merge_blocks(self.out, self.lse, out, lse)
+            self.owned = False
+            return
+        if not self.owned:
+            b, _, h, d = out.shape
+            buf_out = out.new_zeros((b, self.seg_len, h, d))
+            buf_lse = lse.new_full((b, h, self.seg_len), float("-inf"))
+            if self.out is not None and self.lse is not None:
+                buf_out.copy_(self.out)
+                buf_lse.copy_(self.lse)
+            self.out, self.lse, self.owned = buf_out, buf_lse, True
+        assert self.out is not None and self.lse is not None
+        new_out, new_lse = merge_blocks(self.out[:, qs], self.lse[:, :, qs], out, lse)
+        self.out[:, qs] = new_out
+        self.lse[:, :, qs] = new_lse
+
+
+def _accumulate(acc: torch.Tensor | None, rows: slice, full: int, x: torch.Tensor) -> torch.Tensor:
+    """``acc[:, rows] += x`` into a fresh fp32 buffer (allocated on first use, zeros elsewhere); a first
+    ``x`` over all ``full`` rows becomes the buffer itself (it is a fresh kernel output)."""
+    if acc is None:
+        if rows.start == 0 and rows.stop == full:
+            return x if x.is_contiguous() else x.contiguous()
+        acc = x.new_zeros((x.shape[0], full, *x.shape[2:]))
+    acc[:, rows] += x
+    return acc
 
 
 class _FPDTAttention(torch.autograd.Function):
@@ -169,37 +331,75 @@ class _FPDTAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         """``sinks``: ``(h_r,)`` the sinks of this rank's heads, or ``None``."""
         c, plan = cfg.chunk_size, cfg.plan
-        u = plan.num_segments
+        u, S = plan.num_segments, plan.seg_len
         sink = None if sinks is None else sinks.detach().to(compute_dtype(q.dtype))  # (h_r,)
         store = ChunkStore(offload=cfg.offload, device=q.device)
-        # kv of every segment first: non-causal segments also read later ones.
-        for j in range(u):
-            store.put(("k", j), _to_heads(k[:, j * c : (j + 1) * c], cfg))  # (b, S, h_kv_r, d)
-            store.put(("v", j), _to_heads(v[:, j * c : (j + 1) * c], cfg))
+
+        # All-to-alls in the order they are needed, started `ahead` segments early (overlap) or
+        # just in time. Causal: segment i needs kv segments j <= i; otherwise every kv segment first.
+        pend_kv: dict[int, tuple[PendingAllToAll, PendingAllToAll]] = {}
+        pend_q: dict[int, PendingAllToAll] = {}
+        launched = 0
+
+        def launch_kv(j: int) -> None:
+            pend_kv[j] = (
+                _to_heads(k[:, j * c : (j + 1) * c], cfg),
+                _to_heads(v[:, j * c : (j + 1) * c], cfg),
+            )
+
+        def take_kv(j: int) -> None:
+            kp, vp = pend_kv.pop(j)
+            store.put(("k", j), kp.wait())  # (b, S, h_kv_r, d)
+            store.put(("v", j), vp.wait())
+
+        def launch_upto(n: int) -> None:
+            nonlocal launched
+            for i in range(launched, min(n, u)):
+                if plan.causal:
+                    launch_kv(i)
+                pend_q[i] = _to_heads(q[:, i * c : (i + 1) * c], cfg)
+            launched = max(launched, min(n, u))
+
+        ahead = 1 if cfg.overlap else 0
+        if not plan.causal:
+            for j in range(u):
+                launch_kv(j)
+        launch_upto(1 + ahead)
+        if not plan.causal:
+            for j in range(u):
+                take_kv(j)
         kv_stream = store.pipeline([(("k", j), ("v", j)) for i in range(u) for j in plan.cols(i)])
-        outs = []
+        outs: list[torch.Tensor] = []
+        pend_out: PendingAllToAll | None = None
         for i in range(u):
-            q_i = _to_heads(q[:, i * c : (i + 1) * c], cfg)  # (b, S, h_r, d): segment i, my heads
+            launch_upto(i + 1)
+            if plan.causal:
+                take_kv(i)
+            q_i = pend_q.pop(i).wait()  # (b, S, h_r, d): segment i, my heads
+            launch_upto(i + 1 + ahead)  # the next segment travels while this one computes
             store.put(("q", i), q_i)
-            n_tiles = -(-plan.seg_len // plan.block_size)
-            acc: list[Any] = [None] * n_tiles  # per q tile: running fp32 (out, lse)
+            acc = _SegmentAcc(S)
             for j in plan.cols(i):
                 k_j, v_j = next(kv_stream)
-                for qs, ks, mask in plan.tiles(i, j):
-                    blk = block_forward(
-                        q_i[:, qs], k_j[:, ks], v_j[:, ks], scale=cfg.scale, mask=mask, softcap=cfg.softcap
-                    )
-                    t = qs.start // plan.block_size
-                    acc[t] = blk if acc[t] is None else merge_blocks(*acc[t], *blk)  # fp32 online softmax
+                for unit in plan.units(i, j):
+                    acc.add(unit.qs, *_unit_forward(unit, q_i, k_j, v_j, cfg))  # fp32 online softmax
                 del k_j, v_j  # drop before the next fetch: double buffer
-            out_i, lse_i = torch.cat([o for o, _ in acc], dim=1), torch.cat([lse for _, lse in acc], dim=2)
+            out_i, lse_i = acc.out, acc.lse
+            assert out_i is not None and lse_i is not None  # the diagonal block is always live
             if sink is not None:  # one more softmax column per row, after all keys: lse_i becomes the total
                 out_i, lse_i = merge_sinks(out_i, lse_i, sink)
             out_i = out_i.to(q.dtype)
             store.put(("out", i), out_i)
             store.put(("lse", i), lse_i)  # (b, h_r, S) fp32
-            outs.append(_to_seq(out_i, q.shape[2], cfg))  # (b, c, h, d): back to local chunk i
+            if pend_out is not None:
+                outs.append(pend_out.wait())
+            pend_out = _to_seq(out_i, q.shape[2], cfg)  # back to local chunk i (b, c, h, d), in flight
+            if not cfg.overlap:
+                outs.append(pend_out.wait())
+                pend_out = None
             del q_i, acc, out_i, lse_i
+        if pend_out is not None:
+            outs.append(pend_out.wait())
         tail = [] if sinks is None else [sinks]  # saved as an input: in-place edits before backward raise
         if cfg.offload:
             ctx.store = store
@@ -217,7 +417,7 @@ class _FPDTAttention(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
         cfg: _Config = ctx.cfg
         plan, c = cfg.plan, cfg.chunk_size
-        u = plan.num_segments
+        u, S = plan.num_segments, plan.seg_len
         q_dtype, kv_dtype, h, h_kv, has_sinks = ctx.meta
         saved = list(ctx.saved_tensors)
         sinks = saved.pop() if has_sinks else None
@@ -230,66 +430,107 @@ class _FPDTAttention(torch.autograd.Function):
         dsink = None if sink is None else torch.zeros_like(sink)
 
         # The access order of the whole backward, so each fetch is prefetched one step ahead.
-        steps: list[tuple[tuple[str, int], ...]] = [(("out", i),) for i in range(u)]
+        steps: list[tuple[tuple[str, int], ...]] = []
         for j in range(u):
             steps.append((("k", j), ("v", j)))
-            steps.extend((("q", i), ("lse", i)) for i in plan.rows(j))
+            steps.extend((("q", i), ("out", i), ("lse", i)) for i in plan.rows(j))
         stream = store.pipeline(steps)
 
-        douts, deltas = [], []
-        for i in range(u):
-            dout_i = _to_heads(grad[:, i * c : (i + 1) * c], cfg)  # backward of head_to_seq
-            (out_i,) = next(stream)
-            deltas.append((dout_i.to(ct) * out_i.to(ct)).sum(-1).transpose(1, 2).contiguous())  # (b, h_r, S)
-            douts.append(dout_i)
-            del out_i
+        # dout segments: the backward of head_to_seq, started one ahead of first use (ascending i).
+        pend_dout: dict[int, PendingAllToAll] = {}
+        douts: dict[int, torch.Tensor] = {}
+        deltas: dict[int, torch.Tensor] = {}
+        ahead = 1 if cfg.overlap else 0
+
+        def dout_of(i: int) -> torch.Tensor:
+            for n in range(i, min(u, i + 1 + ahead)):
+                if n not in pend_dout and n not in douts:
+                    pend_dout[n] = _to_heads(grad[:, n * c : (n + 1) * c], cfg)
+            if i not in douts:
+                douts[i] = pend_dout.pop(i).wait()  # (b, S, h_r, d)
+            return douts[i]
+
+        def delta_of(i: int, out_i: torch.Tensor) -> torch.Tensor:
+            """rowsum(dout * out) ``(b, h_r, S)`` for the math blocks and the sinks (fused ops take out)."""
+            if i not in deltas:
+                deltas[i] = (dout_of(i).to(ct) * out_i.to(ct)).sum(-1).transpose(1, 2).contiguous()
+            return deltas[i]
 
         last_col = [max(plan.cols(i)) for i in range(u)]  # dq_i is final after this kv segment
         dq_acc: list[torch.Tensor | None] = [None] * u
-        dq_parts: list[torch.Tensor | None] = [None] * u
-        dk_parts, dv_parts = [], []
+        dq_parts: list[Any] = [None] * u
+        dk_parts: list[Any] = []
+        dv_parts: list[Any] = []
+        in_flight: list[PendingAllToAll] = []
         for j in range(u):
             k_j, v_j = next(stream)
             # Fresh fp32 accumulators owned here: the in-place adds never touch a saved tensor.
-            dk_acc = torch.zeros(k_j.shape, dtype=ct, device=k_j.device)
-            dv_acc = torch.zeros(v_j.shape, dtype=ct, device=v_j.device)
+            dk_acc: torch.Tensor | None = None
+            dv_acc: torch.Tensor | None = None
             for i in plan.rows(j):
-                q_i, lse_i = next(stream)
-                if dq_acc[i] is None:
-                    dq_acc[i] = torch.zeros(q_i.shape, dtype=ct, device=q_i.device)
-                if dsink is not None and i == j:  # once per q segment (the diagonal block is always live)
-                    dsink += sink_grad(lse_i.to(ct), deltas[i], sink)
-                for qs, ks, mask in plan.tiles(i, j):
-                    dq, dk, dv = block_backward(
-                        douts[i][:, qs],
-                        q_i[:, qs],
-                        k_j[:, ks],
-                        v_j[:, ks],
-                        lse_i[:, :, qs],
-                        deltas[i][:, :, qs],
-                        scale=cfg.scale,
-                        mask=mask,
-                        softcap=cfg.softcap,
-                    )
-                    dq_acc[i][:, qs] += dq
-                    dk_acc[:, ks] += dk
-                    dv_acc[:, ks] += dv
-                del q_i, lse_i
+                q_i, out_i, lse_i = next(stream)
+                dout_i = dout_of(i)
+                if dsink is not None and sink is not None and i == j:  # once per q segment (diagonal)
+                    dsink += sink_grad(lse_i.to(ct), delta_of(i, out_i), sink)
+                for unit in plan.units(i, j):
+                    qs, ks = unit.qs, unit.ks
+                    if unit.kind == "math":
+                        dq, dk, dv = block_backward(
+                            dout_i[:, qs],
+                            q_i[:, qs],
+                            k_j[:, ks],
+                            v_j[:, ks],
+                            lse_i[:, :, qs],
+                            delta_of(i, out_i)[:, :, qs],
+                            scale=cfg.scale,
+                            mask=unit.mask,
+                            softcap=cfg.softcap,
+                        )
+                    else:
+                        kern, bias = _fused_args(unit, q_i[:, qs], k_j[:, ks], cfg)
+                        dq, dk, dv = fused.block_backward(
+                            kern,
+                            dout_i[:, qs],
+                            q_i[:, qs],
+                            k_j[:, ks],
+                            v_j[:, ks],
+                            out_i[:, qs],
+                            lse_i[:, :, qs],
+                            scale=cfg.scale,
+                            causal=unit.kind == "causal",
+                            bias=bias,
+                        )
+                    dq_acc[i] = _accumulate(dq_acc[i], qs, S, dq)
+                    dk_acc = _accumulate(dk_acc, ks, S, dk)
+                    dv_acc = _accumulate(dv_acc, ks, S, dv)
+                del q_i, out_i, lse_i
             del k_j, v_j
-            dk_parts.append(_to_seq(dk_acc.to(kv_dtype), h_kv, cfg))  # backward of seq_to_head
-            dv_parts.append(_to_seq(dv_acc.to(kv_dtype), h_kv, cfg))
+            assert dk_acc is not None and dv_acc is not None  # the diagonal block is always live
+            for pending in in_flight:  # the previous segment's gradients travelled during this one
+                pending.wait()
+            in_flight = [_to_seq(dk_acc.to(kv_dtype), h_kv, cfg), _to_seq(dv_acc.to(kv_dtype), h_kv, cfg)]
+            dk_parts.append(in_flight[0])  # backward of seq_to_head
+            dv_parts.append(in_flight[1])
             for i in range(u):
                 if last_col[i] == j:
-                    dq_parts[i] = _to_seq(dq_acc[i].to(q_dtype), h, cfg)
+                    acc_i = dq_acc[i]
+                    assert acc_i is not None
+                    dq_parts[i] = _to_seq(acc_i.to(q_dtype), h, cfg)
+                    in_flight.append(dq_parts[i])
                     dq_acc[i] = None
+                    douts.pop(i, None)  # dout_i is not needed any more
+                    deltas.pop(i, None)
+            if not cfg.overlap:
+                for pending in in_flight:
+                    pending.wait()
         if cfg.offload:
             store.release()  # host buffers go now, not when the graph is dropped
             ctx.store = None
         dsinks = None if dsink is None or sinks is None else dsink.to(sinks.dtype)
         return (
-            torch.cat(dq_parts, dim=1),
-            torch.cat(dk_parts, dim=1),
-            torch.cat(dv_parts, dim=1),
+            torch.cat([p.wait() for p in dq_parts], dim=1),
+            torch.cat([p.wait() for p in dk_parts], dim=1),
+            torch.cat([p.wait() for p in dv_parts], dim=1),
             dsinks,
             None,
         )
@@ -306,8 +547,13 @@ def _global_docs(
             f"position_ids shape {tuple(position_ids.shape)} must be (batch, local seq) = {shape}, in the FPDT "
             "layout of shard_batch(..., chunk_size=chunk_size)"
         )
-    full = gather_sequence(position_ids, group=group, chunk_size=chunk_size)  # (b, N), global order
-    return doc_ids(full) if has_resets(full) else None
+    # one all_gather per batch (remembered per position_ids tensor), not one per layer
+    return global_docs(
+        position_ids,
+        group=group,
+        layout=chunk_size,
+        gather=lambda p: gather_sequence(p, group=group, chunk_size=chunk_size),  # (b, N), global order
+    )
 
 
 def fpdt_attention(
@@ -326,6 +572,7 @@ def fpdt_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     block_size: int = 1024,
+    overlap: bool = True,
 ) -> torch.Tensor:
     """Exact attention over a sequence in FPDT's strided layout, computed one chunk pair at a time.
 
@@ -339,8 +586,10 @@ def fpdt_attention(
             document and attention never crosses documents. ``None``: one document.
         offload: keep per-chunk q/k/v/out/lse in (pinned) host memory and prefetch them back on a side
             stream; results are bit-identical to ``offload=False``.
-        backend: ``"auto"`` or ``"math"`` — the blocks use the math building blocks (they return the
-            log-sum-exp and have the matching backward) on every device.
+        backend: ``"auto"``: a fused block kernel that returns the log-sum-exp where one passed its
+            capability probe on this device and dtype (``attention/fused.py``), the math blocks where
+            none did or for soft-capping; ``"fused"``: the same, but an error where no fused kernel is
+            available (or with ``softcap``); ``"math"``: the math blocks (the reference) everywhere.
         sliding_window: attend only to the last ``sliding_window`` tokens (incl. itself), as HF.
         softcap: ``c > 0``: scores become ``c * tanh(scores / c)`` before the mask (Gemma-2,
             VaultGemma), in the forward and backward of every block.
@@ -350,7 +599,12 @@ def fpdt_attention(
             all-to-all, so ``sinks.grad`` is ``(h,)`` with zeros outside them; summed over the group
             (as the strategy does for parameters) it is the exact gradient.
         block_size: tokens per compute tile inside a segment of ``P*chunk_size`` tokens; bounds the
-            ``(b, h/P, block_size, block_size)`` fp32 score block of the math kernel.
+            ``(b, h/P, block_size, block_size)`` fp32 score block of the math kernel and the
+            ``(b, 1, block_size, block_size)`` mask of a fused tile that documents or the window cut.
+            Blocks a fused kernel runs whole are not tiled.
+        overlap: start each all-to-all in the background (forward: the next segment's q, k, v and the
+            last output; backward: the next dout and the last dq/dk/dv) so it travels while a block
+            computes. ``False``: every all-to-all completes before the next block (same results).
 
     Returns:
         ``(b, u*c, h, d)`` in the same layout, equal to full attention over the gathered sequence.
@@ -361,9 +615,13 @@ def fpdt_attention(
     if backend not in FPDT_BACKENDS:
         resolve_backend(backend)  # unknown or unavailable names get the kernels' own error
         raise ValueError(
-            f"fpdt_attention computes its blocks with the math building blocks (they return the log-sum-exp "
-            f"and have a matching block backward); backend {backend!r} is not used there. Pass backend='auto' "
-            "or 'math', or use ulysses_attention for that kernel"
+            f"fpdt_attention computes its blocks with kernels that return the log-sum-exp and have a backward "
+            f"given the merged row (fused.py, or the math blocks); backend {backend!r} is not used there. Pass "
+            "backend='auto' or 'math' (or 'fused'), or use ulysses_attention for that kernel"
+        )
+    if backend == "fused" and softcap is not None:
+        raise ValueError(
+            "backend='fused': no fused block kernel applies logit soft-capping; use backend='auto' (math blocks)"
         )
     b, local, h, d = q.shape
     if not isinstance(chunk_size, int) or chunk_size <= 0:
@@ -381,6 +639,16 @@ def fpdt_attention(
     _, world = group_rank_size(group)
     k, v = spread_kv_heads(k, v, h, world)  # outside the Function: autograd sums the replicas' grads
     docs = _global_docs(position_ids, (b, local), chunk_size, group)
+    kernel = bias_kernel = None
+    if backend != "math" and softcap is None:
+        kernel = fused_kernel(q.device, common_dtype(q, k))
+        if kernel is None and backend == "fused":
+            raise RuntimeError(
+                f"backend='fused': no fused attention kernel passed its probe on {q.device} {common_dtype(q, k)} "
+                "(see the warnings, attention/fused.py); use backend='auto' to fall back to the math blocks"
+            )
+        if kernel is not None and (docs is not None or sliding_window is not None):
+            bias_kernel = fused_kernel(q.device, common_dtype(q, k), bias=True)
     plan = BlockPlan.build(
         local // chunk_size,
         world * chunk_size,
@@ -388,7 +656,9 @@ def fpdt_attention(
         causal=causal,
         sliding_window=sliding_window,
         docs=docs,
+        kernel=kernel,
+        bias_kernel=bias_kernel,
     )
-    cfg = _Config(group, chunk_size, default_scale(d, softmax_scale), plan, offload, softcap)
+    cfg = _Config(group, chunk_size, default_scale(d, softmax_scale), plan, offload, softcap, overlap)
     my_sinks = None if sinks is None else sinks[local_heads(h, group)]  # (h_r,); autograd scatters its grad
     return _FPDTAttention.apply(q, k, v, my_sinks, cfg)

@@ -1,8 +1,10 @@
 """Ulysses sequence-parallel attention (DeepSpeed-Ulysses, arXiv 2309.14509).
 
 Each of the P ranks of ``group`` holds a contiguous 1/P of the sequence. One all-to-all turns
-"my tokens, all heads" into "all tokens, my heads", the local kernel attends over the whole
-sequence, and a second all-to-all turns the result back.
+"my tokens, all heads" of q, k and v together (one packed buffer, GQA k/v with fewer heads
+included) into "all tokens, my heads", the local kernel attends over the whole sequence, and a
+second all-to-all turns the result back: two collectives forward, two backward. Packed documents:
+the position ids are gathered once per batch (``common.global_docs``), not once per layer.
 """
 
 from __future__ import annotations
@@ -15,13 +17,12 @@ from lightning_longctx.attention.common import (
     check_sinks,
     check_softcap,
     default_scale,
-    doc_ids,
-    has_resets,
+    global_docs,
     local_heads,
     spread_kv_heads,
 )
 from lightning_longctx.attention.kernels import resolve_backend
-from lightning_longctx.comm import Group, all_gather_no_grad, group_rank_size, head_to_seq, seq_to_head
+from lightning_longctx.comm import Group, all_gather_no_grad, group_rank_size, head_to_seq, seq_to_head_packed
 
 
 def global_mask(
@@ -29,10 +30,10 @@ def global_mask(
 ) -> MaskSpec:
     """The mask of the gathered sequence; ``position_ids`` ``(b, s/P)`` are GLOBAL, contiguous layout."""
     docs = None
-    if position_ids is not None:
-        full = all_gather_no_grad(position_ids, group, dim=1)  # (b, N), rank order = sequence order
-        if has_resets(full):
-            docs = doc_ids(full)
+    if position_ids is not None:  # one all_gather per batch (remembered per tensor), not per layer
+        docs = global_docs(
+            position_ids, group=group, layout=None, gather=lambda p: all_gather_no_grad(p, group, dim=1)
+        )  # (b, N), rank order = sequence order
     return MaskSpec(causal=causal, sliding_window=sliding_window, q_doc=docs, k_doc=docs)
 
 
@@ -78,7 +79,8 @@ def ulysses_attention(
     h = q.shape[2]
     k, v = spread_kv_heads(k, v, h, world)
     mask = global_mask(position_ids, causal=causal, sliding_window=sliding_window, group=group)
-    q_h, k_h, v_h = (seq_to_head(x, group) for x in (q, k, v))  # (b, s, h_r, d): all tokens, my heads
+    # ONE all-to-all for q, k and v: (b, s, h_r, d) each, all tokens, my heads
+    q_h, k_h, v_h = seq_to_head_packed(q, k, v, group=group)
     extra = {} if sinks is None else {"sinks": sinks[local_heads(h, group)]}  # (h_r,): my heads' sinks
     out_h, _ = kernel.fn(
         q_h, k_h, v_h, scale=default_scale(q.shape[-1], softmax_scale), mask=mask, softcap=softcap, **extra

@@ -1,0 +1,171 @@
+"""``lightning-longctx plan``: the memory plan of a LightningCLI config, before launching it.
+
+Usage (the console script routes ``lightning-longctx plan ...`` here)::
+
+    lightning-longctx plan --config examples/configs/llama3_8b_1m_fpdt_8gpu.yaml --device-memory 80GiB
+    lightning-longctx plan --config my.yaml --seq-len 262144 --json
+
+Read from the YAML: ``model.init_args.model_config`` (or ``pretrained_path``, a local directory),
+``model.init_args.dtype`` and ``activation_checkpointing``; ``trainer.devices``, ``num_nodes``,
+``precision``, ``accelerator`` and ``strategy`` (``UlyssesFPDTStrategy`` with its ``init_args``, or a
+registered name such as ``ulysses_fpdt``); ``data.init_args.seq_len`` and ``batch_size``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_longctx.planner import MemoryPlan, format_bytes, longest_sequence, parse_bytes, plan_memory
+
+__all__ = ["main", "plan_kwargs_from_config"]
+
+_OUR_STRATEGY_NAMES = ("ulysses_fpdt", "ulysses", "fpdt_offload")
+
+
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"trainer.{name}={value!r}: the planner needs a number (e.g. {name}: 8) in the config"
+        )
+    return value
+
+
+def _strategy_settings(strategy: Any) -> tuple[dict[str, Any], str | None]:
+    """The strategy's sequence-parallel settings, and a note when it is not ours (planned as plain DDP)."""
+    if isinstance(strategy, dict):
+        path = str(strategy.get("class_path", ""))
+        if path.split(".")[-1] == "UlyssesFPDTStrategy":
+            return dict(strategy.get("init_args") or {}), None
+        return {"sequence_parallel_size": 1}, f"strategy {path or strategy!r} is not UlyssesFPDTStrategy"
+    if strategy in _OUR_STRATEGY_NAMES:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        import lightning_longctx  # noqa: F401  (registers the names)
+
+        return dict(StrategyRegistry[strategy]["init_params"]), None
+    return {"sequence_parallel_size": 1}, f"strategy {strategy!r} is not UlyssesFPDTStrategy"
+
+
+def plan_kwargs_from_config(
+    config: dict[str, Any], *, seq_len: int | None = None
+) -> tuple[Any, dict[str, Any], list[str]]:
+    """``(model config, plan_memory keyword arguments, notes)`` from a parsed LightningCLI config."""
+    trainer = config.get("trainer") or {}
+    model_args = (config.get("model") or {}).get("init_args") or {}
+    data_args = (config.get("data") or {}).get("init_args") or {}
+    notes: list[str] = []
+
+    if model_args.get("model_config") is not None:
+        model = dict(model_args["model_config"])
+    elif model_args.get("pretrained_path") is not None:
+        from transformers import AutoConfig
+
+        model = AutoConfig.from_pretrained(model_args["pretrained_path"], local_files_only=True)
+    else:
+        raise ValueError(
+            "the config has no model.init_args.model_config or pretrained_path to read the model from"
+        )
+
+    devices = _count(trainer.get("devices", 1), "devices")
+    world = devices * _count(trainer.get("num_nodes", 1), "num_nodes")
+    settings, note = _strategy_settings(trainer.get("strategy", "auto"))
+    if note:
+        notes.append(f"{note}: planned as DDP without sequence parallelism")
+    sp = settings.get("sequence_parallel_size", "auto")
+    sp = devices if sp == "auto" else int(sp)
+    if world % sp:
+        raise ValueError(
+            f"sequence_parallel_size={sp} does not divide the world size {world} (devices x num_nodes)"
+        )
+    chunk = settings.get("fpdt_chunk_size")
+    offload = settings.get("offload", False)
+    if offload == "auto":  # the strategy turns it on when training on CUDA
+        offload = chunk is not None and str(trainer.get("accelerator", "auto")) != "cpu"
+        notes.append(f"offload='auto': planned {'on (a GPU run)' if offload else 'off (CPU)'}")
+
+    n = seq_len if seq_len is not None else data_args.get("seq_len")
+    if n is None:
+        raise ValueError("no sequence length: the config has no data.init_args.seq_len; pass --seq-len")
+    kwargs = {
+        "seq_len": int(n),
+        "sequence_parallel_size": sp,
+        "data_parallel_size": world // sp,
+        "mode": "ulysses" if chunk is None else "fpdt",
+        "fpdt_chunk_size": chunk,
+        "offload": bool(offload),
+        "activation_checkpointing": bool(settings.get("activation_checkpointing") or model_args.get("activation_checkpointing")),
+        "data_parallel": settings.get("data_parallel", "ddp"),
+        "micro_batch_size": int(data_args.get("batch_size", 1)),
+        "precision": str(trainer.get("precision", "32-true")),
+        "param_dtype": model_args.get("dtype"),
+        "loss_chunk_size": settings.get("loss_chunk_size"),
+        "mlp_chunk_size": settings.get("mlp_chunk_size"),
+    }  # fmt: skip
+    return model, kwargs, notes
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lightning-longctx plan",
+        description="Print the memory plan (bytes per device and per host of one training step) of a "
+        "LightningCLI config, and with --device-memory the longest sequence that fits.",
+    )
+    p.add_argument("--config", required=True, help="LightningCLI YAML (as for `lightning-longctx fit`)")
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sequence (default: data.init_args.seq_len)"
+    )
+    p.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GiB, 141GB; adds the longest sequence that fits")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (2 on a bad argument or config, like argparse)."""
+    parser = _parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        import yaml
+
+        path = Path(args.config)
+        if not path.is_file():
+            raise ValueError(f"--config {args.config}: no such file")
+        model, kwargs, notes = plan_kwargs_from_config(
+            yaml.safe_load(path.read_text()) or {}, seq_len=args.seq_len
+        )
+        memory = None if args.device_memory is None else parse_bytes(args.device_memory)
+        plan: MemoryPlan = plan_memory(model, device_memory=memory, **kwargs)
+        longest = None
+        if memory is not None:
+            search = {k: v for k, v in kwargs.items() if k not in ("seq_len", "sequence_parallel_size")}
+            longest = longest_sequence(
+                model, device_memory=memory, sequence_parallel_size=kwargs["sequence_parallel_size"], **search
+            )
+    except ValueError as err:
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "longest_seq_len": longest, "notes": notes}, indent=2))
+        return 0
+    print(plan.table())
+    for note in notes:
+        print(f"note: {note}")
+    if longest is not None:
+        step = "P x chunk" if kwargs["mode"] == "fpdt" else "P x 1024"
+        print(
+            f"longest sequence within {format_bytes(memory)} per device: {longest:,} tokens (multiples of {step})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,266 @@
+"""The memory planner: exact arithmetic, saved-for-backward bytes of a real model, errors, and the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lightning_longctx import enable_sequence_parallel, plan_memory, shard_batch
+from lightning_longctx.cli import main
+from lightning_longctx.planner import format_bytes, longest_sequence, parse_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "examples" / "configs"
+TINY = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 160,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}  # fmt: skip
+BENCH = {**TINY, "vocab_size": 32000, "hidden_size": 128, "intermediate_size": 344, "num_key_value_heads": 4}
+
+
+def _model(config: dict) -> torch.nn.Module:
+    cfg = dict(config)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weights_gradients_optimizer_are_the_real_parameter_count(tied):
+    config = {**TINY, "tie_word_embeddings": tied}
+    n = sum(p.numel() for p in _model(config).parameters())
+    plan = plan_memory(config, seq_len=1024, sequence_parallel_size=2, precision="32-true")
+    assert plan.params == n
+    assert plan["weights"].largest == plan["gradients"].largest == 4 * n
+    assert plan["DDP gradient buckets"].largest == 4 * n  # DDP's buckets: one more gradient copy
+    assert plan.between_steps == 5 * 4 * n  # weights, gradients, 2 AdamW states, buckets
+    sgd = plan_memory(config, seq_len=1024, sequence_parallel_size=2, optimizer="sgd")
+    assert sgd.between_steps == 3 * 4 * n
+    half = plan_memory(config, seq_len=1024, sequence_parallel_size=2, precision="bf16-true")
+    assert half["weights"].largest == 2 * n
+    mixed = plan_memory(config, seq_len=1024, sequence_parallel_size=2, precision="bf16-mixed")
+    assert mixed["weights"].largest == 4 * n  # Lightning's bf16-mixed keeps fp32 weights (no master copy)
+    built_bf16 = plan_memory(config, seq_len=1024, sequence_parallel_size=2, precision="bf16-mixed",
+                             param_dtype="bfloat16")  # fmt: skip
+    assert built_bf16["weights"].largest == 2 * n
+    fsdp = plan_memory(
+        config, seq_len=1024, sequence_parallel_size=2, data_parallel_size=4, data_parallel="fsdp"
+    )
+    assert fsdp["weights"].largest == -(-n // 8) * 4
+    assert "DDP gradient buckets" not in [c.name for c in fsdp.components]
+
+
+def _saved_bytes(model: torch.nn.Module, batch: dict, autocast: bool) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(**batch)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
+@pytest.mark.parametrize("mode", ["ulysses", "fpdt"])
+def test_activations_match_what_autograd_saves(mode, precision):
+    """The per-layer formula against a real forward (P = 1, GQA): every saved tensor, counted once."""
+    torch.manual_seed(0)
+    model = _model(TINY)
+    if precision == "bf16-true":
+        model = model.to(torch.bfloat16)
+    chunk = 64 if mode == "fpdt" else None
+    enable_sequence_parallel(model, mode=mode, chunk_size=chunk)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 256))
+    batch = shard_batch({"input_ids": ids, "labels": ids.clone()}, chunk_size=chunk)
+    saved = _saved_bytes(model, batch, autocast=precision == "bf16-mixed")
+    plan = plan_memory(TINY, seq_len=256, sequence_parallel_size=1, mode=mode, fpdt_chunk_size=chunk,
+                       precision=precision)  # fmt: skip
+    planned = plan["activations kept for backward"].largest
+    if precision == "bf16-mixed":
+        planned += plan["autocast weight copies"].largest
+    if mode == "ulysses":  # Hugging Face's loss saves its fp32 log-softmax (the loss working set) and targets
+        planned += 256 * TINY["vocab_size"] * 4 + 256 * 8
+    assert planned == pytest.approx(saved, rel=0.005)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_offloaded_bytes_are_the_planned_host_activations(checkpointing):
+    """FPDT offload: the chunks every layer keeps on the host after the forward, with checkpointing too
+    (the chunk store lives on the autograd node, which checkpointing keeps)."""
+    from lightning_longctx.attention.offload import offloaded_bytes
+    from lightning_longctx.integrations.transformers import enable_activation_checkpointing
+
+    model = _model(TINY)
+    enable_sequence_parallel(model, mode="fpdt", chunk_size=64, offload=True)
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 256))
+    loss = model(**shard_batch({"input_ids": ids, "labels": ids.clone()}, chunk_size=64)).loss
+    plan = plan_memory(TINY, seq_len=256, sequence_parallel_size=1, mode="fpdt", fpdt_chunk_size=64, offload=True,
+                       activation_checkpointing=checkpointing)  # fmt: skip
+    assert offloaded_bytes() == plan["activations kept for backward"].host > 0
+    loss.backward()
+    assert offloaded_bytes() == 0
+
+
+def test_activations_scale_as_one_over_p_and_offload_moves_them_to_the_host():
+    acts = [plan_memory(BENCH, seq_len=65536, sequence_parallel_size=p)["activations kept for backward"].device
+            for p in (1, 2, 4)]  # fmt: skip
+    assert acts[0] == 2 * acts[1] == 4 * acts[2]
+    kw = {"seq_len": 65536, "sequence_parallel_size": 2, "mode": "fpdt", "fpdt_chunk_size": 1024}
+    on, off = plan_memory(BENCH, offload=True, **kw), plan_memory(BENCH, **kw)
+    on_acts, off_acts = on["activations kept for backward"], off["activations kept for backward"]
+    assert off_acts.host == 0 and on_acts.host > 0
+    assert on_acts.device + on_acts.host == off_acts.device
+    assert on.host_total >= on_acts.host and on.device_total < off.device_total
+
+
+def test_fpdt_working_set_does_not_grow_with_the_sequence():
+    def loss_ws(n: int, **kw) -> int:
+        return plan_memory(BENCH, seq_len=n, sequence_parallel_size=2, **kw)["loss working set"].largest
+
+    fpdt = {"mode": "fpdt", "fpdt_chunk_size": 1024}
+    assert loss_ws(16384) * 4 == loss_ws(65536)  # Ulysses: the whole (s/P, vocab) logits
+    # FPDT: one (1024, vocab) block; only the hidden states' gradient (d * 4 bytes per token) grows
+    assert loss_ws(65536, **fpdt) - loss_ws(16384, **fpdt) == (65536 - 16384) // 2 * 128 * 4
+    per_chunk = [plan_memory(BENCH, seq_len=n, sequence_parallel_size=2, **fpdt) for n in (16384, 65536)]
+    assert per_chunk[0].fpdt_chunk_size == per_chunk[1].fpdt_chunk_size == 1024
+
+
+def test_peak_is_the_largest_phase_and_the_rows_add_up():
+    for kw in ({}, {"mode": "fpdt", "fpdt_chunk_size": 1024, "offload": True, "activation_checkpointing": True},
+               {"precision": "bf16-mixed", "data_parallel": "fsdp", "data_parallel_size": 2}):  # fmt: skip
+        plan = plan_memory(BENCH, seq_len=32768, sequence_parallel_size=2, **kw)
+        assert plan.device_total == max(d for _, d, _ in plan.phases) == plan.phase(plan.peak_phase)[0]
+        assert sum(c.device for c in plan.components) == plan.device_total
+        assert plan.combined >= plan.device_total
+        data = json.loads(json.dumps(plan.to_dict()))
+        assert data["device_total"] == plan.device_total and data["components"]
+        assert "total at peak" in plan.table()
+
+
+def test_sequence_is_padded_like_shard_batch_and_the_chunk_capped_at_the_local_length():
+    plan = plan_memory(BENCH, seq_len=10000, sequence_parallel_size=4, mode="fpdt", fpdt_chunk_size=1024)
+    assert plan.padded_seq_len == 12288 and plan.tokens_per_device == 3072  # a multiple of P * chunk
+    short = plan_memory(BENCH, seq_len=1000, sequence_parallel_size=4, mode="fpdt", fpdt_chunk_size=1024)
+    assert short.fpdt_chunk_size == 250 and short.padded_seq_len == 1000  # one chunk of the local length
+    assert plan_memory(BENCH, seq_len=1001, sequence_parallel_size=2).padded_seq_len == 1002
+
+
+def test_longest_sequence_is_the_boundary_of_plan_memory():
+    kw = {"sequence_parallel_size": 2, "mode": "fpdt", "fpdt_chunk_size": 1024}
+    budgets = [1 << 30, 2 << 30, 4 << 30]
+    found = [longest_sequence(BENCH, device_memory=b, **kw) for b in budgets]
+    assert found == sorted(found) and found[0] > 0
+    for n, budget in zip(found, budgets):
+        assert n % 2048 == 0
+        assert plan_memory(BENCH, seq_len=n, **kw).device_total <= budget
+        assert plan_memory(BENCH, seq_len=n + 2048, **kw).device_total > budget
+    assert longest_sequence(BENCH, device_memory="1MiB", **kw) == 0
+    ulysses = longest_sequence(BENCH, device_memory="2GiB", sequence_parallel_size=2)
+    assert 0 < ulysses < found[1] and ulysses % 2048 == 0
+
+
+def test_fits_and_memory_sizes():
+    assert parse_bytes("80GiB") == parse_bytes("80G") == 80 << 30
+    assert (
+        parse_bytes("141GB") == 141 * 10**9 and parse_bytes(512) == 512 and parse_bytes("1.5 MiB") == 3 << 19
+    )
+    assert format_bytes(3 << 29) == "1.50 GiB" and format_bytes(0) == "0 B"
+    plan = plan_memory(BENCH, seq_len=4096, sequence_parallel_size=2, device_memory="64GiB")
+    assert plan.fits is True and "fits" in plan.table()
+    assert plan_memory(BENCH, seq_len=4096, sequence_parallel_size=2).fits is None
+    assert plan_memory(BENCH, seq_len=4096, sequence_parallel_size=2, device_memory="64MiB").fits is False
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"mode": "ring"}, "mode='ring' is unknown"),
+        ({"offload": True}, "offload=True needs FPDT"),
+        ({"precision": "8-true"}, "precision='8-true' is not supported"),
+        ({"optimizer": "lion"}, "optimizer='lion' is unknown"),
+        ({"data_parallel": "zero3"}, "data_parallel='zero3' is unknown"),
+        ({"sequence_parallel_size": 0}, "sequence_parallel_size=0"),
+        ({"seq_len": -1}, "seq_len=-1"),
+        ({"mode": "fpdt", "fpdt_chunk_size": 0}, "fpdt_chunk_size=0"),
+        ({"param_dtype": "int8"}, "param_dtype='int8' is unknown"),
+        ({"device_memory": "lots"}, "'lots' is not a memory size"),
+    ],
+)
+def test_bad_inputs_explain_themselves(kwargs, match):
+    args = {"seq_len": 4096, "sequence_parallel_size": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        plan_memory(BENCH, **args)
+
+
+def test_config_must_say_its_model_type():
+    with pytest.raises(ValueError, match="needs a 'model_type'"):
+        plan_memory({"hidden_size": 64}, seq_len=1024, sequence_parallel_size=1)
+    with pytest.raises(TypeError, match="transformers config or a dict"):
+        plan_memory(42, seq_len=1024, sequence_parallel_size=1)
+
+
+def test_cli_plans_the_8b_1m_config(capsys):
+    assert (
+        main(["plan", "--config", str(CONFIGS / "llama3_8b_1m_fpdt_8gpu.yaml"), "--device-memory", "141GB"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert (
+        "LlamaForCausalLM (8.03B params), 1,048,576 tokens, sp 8 x dp 1, FPDT chunk 16,384 (8 per rank)"
+        in out
+    )
+    assert "bf16-mixed, FSDP, activation checkpointing: 131,072 tokens per device" in out
+    for row in (
+        "weights",
+        "optimizer state",
+        "activations kept for backward",
+        "loss working set",
+        "total at peak",
+    ):
+        assert row in out
+    assert "longest sequence within" in out
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_cli_plans_every_shipped_config(name, capsys):
+    assert main(["plan", "--config", str(CONFIGS / name), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["device_total"] > 0 and data["seq_len"] > 0
+
+
+def test_cli_demo_config_and_overrides(capsys):
+    assert (
+        main(
+            [
+                "plan",
+                "--config",
+                str(CONFIGS / "demo_cpu.yaml"),
+                "--seq-len",
+                "4096",
+                "--device-memory",
+                "1GiB",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "4,096 tokens, sp 2 x dp 1, Ulysses, 32-true, DDP, micro batch 16" in out
+    assert "device memory 1.00 GiB" in out and "longest sequence within 1.00 GiB per device" in out
+
+
+def test_cli_refuses_what_it_cannot_plan(tmp_path, capsys):
+    assert main(["plan", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  devices: auto\nmodel:\n  init_args:\n    model_config: {model_type: llama}\n")
+    assert main(["plan", "--config", str(bad), "--seq-len", "1024"]) == 2
+    assert "trainer.devices='auto'" in capsys.readouterr().err
