@@ -4,7 +4,8 @@ All kernels take ``bshd`` tensors: q ``(b, s_q, h, d)``, k/v ``(b, s_k, h_kv, d)
 ``h % h_kv == 0`` (grouped-query attention is expanded inside the kernel) and a :class:`MaskSpec`.
 They return ``(out (b, s_q, h, d), lse)`` where ``lse`` is the fp32 log-sum-exp of the scaled
 scores ``(b, h, s_q)``, or ``None`` where the kernel does not give it (SDPA; flash-attn's varlen
-path for packed documents). Ulysses uses ``out`` only; FPDT uses the math building blocks below.
+path for packed documents). Ulysses uses ``out`` only; FPDT uses the fused kernels of ``fused.py`` and,
+as their reference and fallback, the math building blocks below.
 
 Backends: ``"flash"`` (flash-attn's public ``flash_attn_func``/``flash_attn_varlen_func``, CUDA,
 optional), ``"sdpa"`` (``torch.nn.functional.scaled_dot_product_attention``) and ``"math"`` (plain
