@@ -3,11 +3,17 @@
 Every point is a fresh job of P launched processes (1 for ``single``) that runs ONE optimizer step
 (forward, backward, SGD) of a tiny Llama on one sequence of N tokens through a real ``lightning.Trainer``,
 in mode ``single`` (HF SDPA attention and loss), ``ulysses``, ``fpdt`` (chunk ``--chunk-size``: chunked
-attention, tiled MLP, chunked lm_head + loss) or ``fpdt_offload``. Measured per rank around the step:
+attention, tiled MLP, chunked lm_head + loss), ``fpdt_offload`` (+ FPDT's host offload), ``fpdt_ckpt``
+(+ activation checkpointing) or ``fpdt_act_offload`` (FPDT offload + activation offload: the checkpointed
+layer inputs in host memory; ``common.STRATEGY_MODES``). Measured per rank around the step:
 
-* CPU: right before the step the kernel's peak-RSS mark is reset (``/proc/self/clear_refs`` = 5) and
-  the RSS is the baseline; after it ``VmHWM`` is the peak. "step" = peak - baseline: what the step
-  needs (activations, gradients, logits, workspaces) on top of the loaded model, libraries and group.
+* CPU: right before the step freed heap goes back to the kernel (``malloc_trim(0)``), the kernel's
+  peak-RSS mark is reset (``/proc/self/clear_refs`` = 5) and the RSS is the baseline; after it
+  ``VmHWM`` is the peak. "step" = peak - baseline: what the step needs (activations, gradients,
+  logits, workspaces) on top of the loaded model, libraries and group. The ranks run with glibc's
+  ``MALLOC_MMAP_THRESHOLD_`` at 256 KiB (``--malloc-mmap-threshold``, as ``bench_planner.py``), so a
+  freed tensor's pages return at once and RSS follows the live bytes, as a GPU's allocated memory does
+  (glibc's default keeps freed holes in its heap: FPDT's many per-chunk tensors then read high).
 * CUDA (``--device cuda``): ``max_memory_allocated`` after ``reset_peak_memory_stats``, minus
   ``memory_allocated`` at the start. Host RSS is recorded alongside.
 
@@ -15,6 +21,9 @@ A mode stops growing N once a point went over ``--budget-gib`` (memory only grow
 predicted (linearly) not to fit in free memory is skipped. "largest fit" = the largest measured N
 within the budget (``>=``: even the longest tried), "est." = where the least-squares line through the
 mode's points crosses it (memory is close to linear in N: every attention kernel used is O(N)).
+Run with doubling ``--seq-lens`` and a ``--budget-gib`` this is the memory ladder: the longest sequence
+each mode trains within the budget. "x16": the step memory of a mode at 16x the tokens of a ``single``
+point, over that point's (the FPDT paper's 16x claim: <= 1 means 16x longer in no more memory).
 ``--merge`` reuses the measured points of earlier outputs. Commands and results: ``benchmarks/README.md``.
 """
 
@@ -32,11 +41,12 @@ from typing import Any
 import common
 from common import GIB, MIB
 
-MODES = ("single", "ulysses", "fpdt", "fpdt_offload")
+MODES = ("single", *common.STRATEGY_MODES)
+DEFAULT_MODES = ("single", "ulysses", "fpdt", "fpdt_offload")
 HERE = Path(__file__).resolve().parent
 #: settings that must agree between merged runs (everything that changes what a point measures)
 SAME_SETTINGS = ("world_size", "chunk_size", "device", "precision", "threads", "vocab", "hidden", "intermediate",
-                 "layers", "heads")  # fmt: skip
+                 "layers", "heads", "malloc_mmap_threshold")  # fmt: skip
 
 
 def _hwm_bytes() -> int:
@@ -61,12 +71,15 @@ def _point(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_longctx.callbacks.memory import host_rss_bytes
 
     cuda = args.device == "cuda"
+    trim = common.malloc_trim()
 
     class StepMemory(L.Callback):
         """Baseline right before the step, peak right after it (the SGD step included)."""
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             gc.collect()
+            if trim is not None:
+                trim(0)
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -208,6 +221,14 @@ def summarize(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str,
             x, y = fits.get("fpdt", {}).get(key), fits.get(base, {}).get(key)
             out[f"fpdt_vs_{base}_{key}"] = x / y if x and y else None
     ok = {(r["mode"], r["N"]): r for r in rows if r["status"] == "ok"}
+    single_fit = fits.get("single", {}).get("largest_fit")
+    for f in fits.values():
+        f["vs_single"] = f["largest_fit"] / single_fit if single_fit and f["largest_fit"] else None
+    out["x16"] = [
+        {"mode": mode, "N": n, "single_N": n // 16, "step_mib": r["step_mib"],
+         "single_step_mib": ok["single", n // 16]["step_mib"], "ratio": r["step_mib"] / ok["single", n // 16]["step_mib"]}
+        for (mode, n), r in sorted(ok.items()) if mode != "single" and n % 16 == 0 and ("single", n // 16) in ok
+    ]  # fmt: skip
     both = [n for mode, n in ok if mode == "ulysses" and ("fpdt", n) in ok]
     if both:
         n = max(both)
@@ -247,10 +268,14 @@ def print_report(args: argparse.Namespace, rows: list[dict], summary: dict[str, 
         ("mode", "mode", ""),
         ("largest_fit", "largest fit", ""),
         ("estimated_fit", "est. fit", ""),
+        ("vs_single", "vs single", ".1f"),
         ("mib_per_1k_tokens", "MiB per 1K tokens", ".1f"),
         ("intercept_mib", "intercept MiB", ".1f"),
     ]
     print(common.format_table(fit_rows, fit_columns))
+    for r in summary["x16"]:
+        print(f"x16: {r['mode']} at N={r['N']} needs {r['step_mib']:.0f} MiB per rank, single at N={r['single_N']} "
+              f"{r['single_step_mib']:.0f} MiB: {r['ratio']:.2f} (target <= 1.0)")  # fmt: skip
     for base, target in (("single", 16), ("ulysses", 8)):
         m, e = summary[f"fpdt_vs_{base}_largest_fit"], summary[f"fpdt_vs_{base}_estimated_fit"]
         if m or e:
@@ -267,7 +292,7 @@ def print_report(args: argparse.Namespace, rows: list[dict], summary: dict[str, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
     p.add_argument("--seq-lens", nargs="+", type=int, default=[2048, 4096, 8192, 16384])
     p.add_argument("--world-size", type=int, default=2, help="P of the sequence-parallel modes")
     p.add_argument("--chunk-size", type=int, default=1024, help="FPDT tokens per chunk per rank")
@@ -279,6 +304,7 @@ def main() -> int:
     p.add_argument("--ram-fraction", type=float, default=0.7, help="skip points predicted above this share "
                    "of MemAvailable (of GPU memory with --device cuda)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per point")
+    common.add_malloc_threshold_arg(p)
     p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
                    help="earlier outputs of this script (same model and settings): their measured points are "
                    "reused, not re-run, and land in this run's table, fits and plot")  # fmt: skip
@@ -286,6 +312,7 @@ def main() -> int:
     p.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
     args = p.parse_args()
 
+    common.use_malloc_threshold(args.malloc_mmap_threshold)
     reused, sources = load_merged(args)
     rows: list[dict[str, Any]] = []
     for mode in args.modes:

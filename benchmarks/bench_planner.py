@@ -35,11 +35,10 @@ from typing import Any
 
 import common
 from bench_memory import _hwm_bytes, _reset_hwm
-from bench_soak import _malloc_trim
 from common import MIB
 
-#: (N, P, mode, offload, activation checkpointing): N from 4K to 32K, P = 1, 2, 4, both modes, offload and
-#: checkpointing on and off; ~10 minutes on 2 loaded cores, most of it the 32K FPDT row
+#: (N, P, mode, offload, activation checkpointing, activation offload): N from 4K to 32K, P = 1, 2, 4, both
+#: modes, each memory setting on and off; ~12 minutes on 2 loaded cores, most of it the 32K FPDT row
 DEFAULT_POINTS = (
     "4096:1:ulysses",
     "4096:2:ulysses",
@@ -51,20 +50,23 @@ DEFAULT_POINTS = (
     "8192:2:fpdt:offload",
     "8192:2:fpdt:offload:ckpt",
     "8192:4:fpdt",
+    "8192:2:ulysses:aoff",
+    "16384:2:fpdt:offload:aoff",
 )
-SMOKE_POINTS = ("1024:2:ulysses", "1024:2:fpdt:offload:ckpt")
+SMOKE_POINTS = ("1024:2:ulysses", "1024:2:fpdt:offload:aoff")
 
 
 def parse_point(text: str) -> dict[str, Any]:
-    """``N:P:mode[:offload][:ckpt]`` -> the point's settings."""
+    """``N:P:mode[:offload][:ckpt][:aoff]`` -> the point's settings (``aoff``: activation offload, which
+    checkpoints too)."""
     parts = text.split(":")
     flags = set(parts[3:])
-    if len(parts) < 3 or parts[2] not in ("ulysses", "fpdt") or flags - {"offload", "ckpt"}:
+    if len(parts) < 3 or parts[2] not in ("ulysses", "fpdt") or flags - {"offload", "ckpt", "aoff"}:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: write N:P:ulysses|fpdt[:offload][:ckpt], e.g. 32768:2:fpdt:offload"
+            f"{text!r}: write N:P:ulysses|fpdt[:offload][:ckpt][:aoff], e.g. 32768:2:fpdt:offload"
         )
     return {"N": int(parts[0]), "P": int(parts[1]), "mode": parts[2], "offload": "offload" in flags,
-            "ckpt": "ckpt" in flags}  # fmt: skip
+            "ckpt": "ckpt" in flags or "aoff" in flags, "aoff": "aoff" in flags}  # fmt: skip
 
 
 def model_config(args: argparse.Namespace, n: int) -> dict[str, Any]:
@@ -84,7 +86,7 @@ def _point(args: argparse.Namespace, point: dict[str, Any]) -> dict[str, Any]:
     from lightning_longctx.callbacks.memory import host_rss_bytes
     from lightning_longctx.models import CausalLM
 
-    trim = _malloc_trim()
+    trim = common.malloc_trim()
 
     def live_rss() -> int:
         """RSS after returning freed heap pages to the kernel: what is live, not what glibc kept."""
@@ -116,6 +118,7 @@ def _point(args: argparse.Namespace, point: dict[str, Any]) -> dict[str, Any]:
         fpdt_chunk_size=args.chunk_size if point["mode"] == "fpdt" else None,
         offload=point["offload"],
         activation_checkpointing=point["ckpt"],
+        activation_offload=point["aoff"],
         process_group_backend="gloo",
     )
     trainer = L.Trainer(accelerator="cpu", devices=point["P"], strategy=strategy, precision=args.precision,
@@ -146,6 +149,7 @@ def plan(args: argparse.Namespace, point: dict[str, Any]) -> Any:
         fpdt_chunk_size=args.chunk_size if point["mode"] == "fpdt" else None,
         offload=point["offload"],
         activation_checkpointing=point["ckpt"],
+        activation_offload=point["aoff"],
         precision=args.precision,
         optimizer="adamw",
     )
@@ -181,7 +185,7 @@ def run_point(args: argparse.Namespace, point: dict[str, Any]) -> dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--points", nargs="+", type=parse_point, default=None,
-                   help=f"N:P:ulysses|fpdt[:offload][:ckpt] (default: {' '.join(DEFAULT_POINTS)})")  # fmt: skip
+                   help=f"N:P:ulysses|fpdt[:offload][:ckpt][:aoff] (default: {' '.join(DEFAULT_POINTS)})")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help=f"toy run: {' '.join(SMOKE_POINTS)}, chunk 256")
     p.add_argument(
         "--chunk-size", type=int, default=1024, help="FPDT tokens per chunk per rank (default: 1024)"
@@ -192,13 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default: 1)")
     p.add_argument("--max-error", type=float, default=15.0, help="target |step error| in %% (default: 15)")
-    p.add_argument(
-        "--malloc-mmap-threshold",
-        type=int,
-        default=1 << 18,
-        help="glibc MALLOC_MMAP_THRESHOLD_ of the ranks: allocations from this size on get their own "
-        "mapping, returned on free, so RSS follows live bytes (default: 262144; 0: glibc's dynamic default)",
-    )
+    common.add_malloc_threshold_arg(p)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per point (default: 600)")
     p.add_argument("--out", default=str(common.Path(__file__).resolve().parent / "results" / "planner.json"))
     common.add_model_args(p, vocab=32000, hidden=128, intermediate=344, layers=2, heads=4)
@@ -206,19 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.points, args.chunk_size = [parse_point(x) for x in SMOKE_POINTS], 256
     points = args.points or [parse_point(x) for x in DEFAULT_POINTS]
-    # read by glibc when the fork server starts (the first launch): every rank inherits it
-    if args.malloc_mmap_threshold > 0:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
-    else:
-        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    common.use_malloc_threshold(args.malloc_mmap_threshold)
     args.points = [":".join(map(str, (q["N"], q["P"], q["mode"]))) + (":offload" if q["offload"] else "")
-                   + (":ckpt" if q["ckpt"] else "") for q in points]  # fmt: skip
+                   + (":aoff" if q["aoff"] else ":ckpt" if q["ckpt"] else "") for q in points]  # fmt: skip
 
     rows = []
     for point in points:
         row = run_point(args, point)
         rows.append(row)
-        where = f"N={point['N']:>6} P={point['P']} {point['mode']:>7}{' offload' * point['offload']}{' ckpt' * point['ckpt']}"
+        where = (f"N={point['N']:>6} P={point['P']} {point['mode']:>7}{' offload' * point['offload']}"
+                 f"{' ckpt' * point['ckpt']}{' act-offload' * point['aoff']}")  # fmt: skip
         if row["status"] == "ok":
             print(f"{where}: step planned {row['planned_step_mib']:7.1f} measured {row['measured_step_mib']:7.1f} MiB "
                   f"({row['step_error_pct']:+.1f}%), total {row['total_error_pct']:+.1f}%, {row['step_s']:.0f} s step",
@@ -227,11 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{where}: {row['status']}", flush=True)
             print(row.get("log_tail", ""), end="", file=sys.stderr)
 
-    shown = [
-        {**r, "offload": "on" if r["offload"] else "off", "ckpt": "on" if r["ckpt"] else "off"} for r in rows
-    ]
+    shown = [{**r, **{k: "on" if r[k] else "off" for k in ("offload", "ckpt", "aoff")}} for r in rows]
     columns = [("N", "N", ""), ("P", "P", ""), ("mode", "mode", ""), ("offload", "offload", ""), ("ckpt", "ckpt", ""),
-               ("planned_step_mib", "planned step MiB", ".1f"), ("measured_step_mib", "measured step MiB", ".1f"),
+               ("aoff", "act. offload", ""), ("planned_step_mib", "planned step MiB", ".1f"), ("measured_step_mib", "measured step MiB", ".1f"),
                ("step_error_pct", "error %", "+.1f"), ("planned_total_mib", "planned total MiB", ".1f"),
                ("measured_total_mib", "measured total MiB", ".1f"), ("total_error_pct", "total error %", "+.1f"),
                ("peak_phase", "planned peak", ""), ("status", "status", "")]  # fmt: skip

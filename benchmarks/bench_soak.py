@@ -44,17 +44,6 @@ COLUMNS = [
 ]
 
 
-def _malloc_trim() -> Any:
-    """glibc's ``malloc_trim`` (None elsewhere)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
 def _soak(args: argparse.Namespace) -> dict[str, Any]:
     """One rank of the soak (runs in a launched process): its record of every step."""
     import lightning as L
@@ -62,7 +51,7 @@ def _soak(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_longctx.attention.offload import offloaded_bytes
     from lightning_longctx.callbacks.memory import host_rss_bytes
 
-    trim = None if args.no_trim else _malloc_trim()
+    trim = None if args.no_trim else common.malloc_trim()
 
     class Recorder(L.Callback):
         def __init__(self) -> None:

@@ -136,13 +136,24 @@ def launch(
     return Launch([results.get(r) for r in range(world)], error, timed_out, log, time.perf_counter() - t0)
 
 
+#: benchmark mode -> UlyssesFPDTStrategy settings (besides the sizes); "single" runs without the strategy
+STRATEGY_MODES: dict[str, dict[str, Any]] = {
+    "ulysses": {},
+    "fpdt": {"fpdt": True},
+    "fpdt_offload": {"fpdt": True, "offload": True},  # FPDT's cold chunks in host memory
+    "fpdt_ckpt": {"fpdt": True, "activation_checkpointing": True},
+    # everything that moves memory off the device: FPDT offload + checkpointed layer inputs in host memory
+    "fpdt_act_offload": {"fpdt": True, "offload": True, "activation_offload": True},
+}
+
+
 def bench_trainer(mode: str, world_size: int, *, chunk_size: int | None, device: str = "cpu",
                   callbacks: Sequence[Any] = (), **trainer_kwargs: Any) -> Any:  # fmt: skip
     """A ``lightning.Trainer`` without logger, checkpoints, progress bar or sanity check, for one mode.
 
-    ``single``: one device, Lightning's default strategy. ``ulysses`` / ``fpdt`` / ``fpdt_offload``:
-    ``UlyssesFPDTStrategy`` over ``world_size`` ranks (gloo on CPU, NCCL on CUDA); FPDT with
-    ``chunk_size`` tokens per chunk per rank, and offload for ``fpdt_offload``.
+    ``single``: one device, Lightning's default strategy. The others (:data:`STRATEGY_MODES`):
+    ``UlyssesFPDTStrategy`` over ``world_size`` ranks (gloo on CPU, NCCL on CUDA), the FPDT ones with
+    ``chunk_size`` tokens per chunk per rank.
     """
     import lightning as L
 
@@ -151,11 +162,12 @@ def bench_trainer(mode: str, world_size: int, *, chunk_size: int | None, device:
     cuda = device == "cuda"
     strategy: Any = "auto"
     if mode != "single":
+        settings = dict(STRATEGY_MODES[mode])
         strategy = UlyssesFPDTStrategy(
             sequence_parallel_size=world_size,
-            fpdt_chunk_size=None if mode == "ulysses" else chunk_size,
-            offload=mode == "fpdt_offload",
+            fpdt_chunk_size=chunk_size if settings.pop("fpdt", False) else None,
             process_group_backend="nccl" if cuda else "gloo",
+            **settings,
         )
     return L.Trainer(
         accelerator="gpu" if cuda else "cpu",
@@ -219,6 +231,34 @@ def add_model_args(p: Any, **defaults: int) -> None:
     """``--vocab --hidden --intermediate --layers --heads`` (the Llama a script trains), with defaults."""
     for name, default in defaults.items():
         p.add_argument(f"--{name}", type=int, default=default)
+
+
+def malloc_trim() -> Any:
+    """glibc's ``malloc_trim`` (None elsewhere): ``malloc_trim(0)`` returns freed heap to the kernel."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def add_malloc_threshold_arg(p: Any) -> None:
+    """``--malloc-mmap-threshold``: glibc's ``MALLOC_MMAP_THRESHOLD_`` for the ranks (see :func:`use_malloc_threshold`)."""
+    p.add_argument("--malloc-mmap-threshold", type=int, default=1 << 18,
+                   help="glibc MALLOC_MMAP_THRESHOLD_ of the ranks: allocations from this size on get their own "
+                   "mapping, returned on free, so RSS follows live bytes (default: 262144; 0: glibc's dynamic "
+                   "default, whose heap keeps freed holes)")  # fmt: skip
+
+
+def use_malloc_threshold(threshold: int) -> None:
+    """Set (``> 0``) or clear glibc's ``MALLOC_MMAP_THRESHOLD_`` for the ranks :func:`launch` starts: glibc reads
+    it when the fork server starts (the first launch), every rank inherits it. Call before the first launch."""
+    if threshold > 0:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+    else:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
 
 
 def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:

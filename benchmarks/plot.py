@@ -33,7 +33,8 @@ try:
 except ImportError:  # pragma: no cover - matplotlib is a dev dependency
     Figure = None
 
-MODE_COLORS = {"single": "C0", "ulysses": "C1", "fpdt": "C2", "fpdt_offload": "C3"}
+MODE_COLORS = {"single": "C0", "ulysses": "C1", "fpdt": "C2", "fpdt_offload": "C3", "fpdt_ckpt": "C4",
+               "fpdt_act_offload": "C5"}  # fmt: skip
 PNG_NAMES = {"ulysses": "ulysses_time", "mfu": "gpu_mfu"}  # JSON stem -> PNG name, where they differ
 MIB = float(1 << 20)
 
@@ -165,7 +166,7 @@ def plot_memory(data: dict[str, Any]) -> Any:
     for mode in dict.fromkeys(r["mode"] for r in rows):
         rs = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["N"])
         label = mode if mode == "single" else f"{mode} (P={rs[0].get('P', 1)})"
-        style = "--o" if mode == "fpdt_offload" else "-o"
+        style = "--o" if mode in ("fpdt_offload", "fpdt_act_offload") else "-o"
         color = MODE_COLORS.get(mode, "C7")
         ax.plot([r["N"] for r in rs], [r["step_mib"] for r in rs], style, color=color, label=label)
     if cfg.get("budget_gib"):

@@ -2,8 +2,11 @@
 
 Forward computes the logits of ``chunk_size`` tokens at a time, keeps only each token's fp32
 log-sum-exp and adds the chunk's loss to a running fp32 sum. Backward recomputes each chunk's logits
-and turns ``softmax - onehot`` into the gradients of the hidden states, the weight and the bias, so
-at most a ``(chunk_size, vocab)`` block is alive. The result has the global-mean semantics of
+and turns ``softmax - onehot`` into the gradients of the hidden states, the weight and the bias. The
+softmax, its gradient and the scale/soft-cap are computed in place in one ``(chunk_size, vocab)``
+fp32 block (two with a soft-cap), freed before the next chunk; the weight gradient accumulates into
+one fp32 ``(vocab, hidden)`` buffer. The default chunk keeps that block at :data:`LOGITS_BLOCK_BYTES`
+(:func:`default_loss_chunk_size`). The result has the global-mean semantics of
 :func:`lightning_longctx.sequence_parallel_cross_entropy` over the sequence-parallel group.
 
 Matmul dtype: the autocast dtype when autocast is on at the call (Lightning ``bf16-mixed``), else the
@@ -22,6 +25,16 @@ from lightning_longctx.comm import Group, all_reduce_sum_identity_grad
 from lightning_longctx.loss import global_valid_count
 from lightning_longctx.sharding import IGNORE_INDEX
 
+#: bytes of one fp32 ``(chunk, vocab)`` logits block when the loss chunk is not set (128 MiB: 1024 tokens
+#: of a 32K vocabulary, 256 of Llama-3's 128K)
+LOGITS_BLOCK_BYTES = 128 << 20
+
+
+def default_loss_chunk_size(vocab_size: int) -> int:
+    """Tokens per chunk of the chunked lm_head + loss for a vocabulary: the most whose fp32 logits block
+    fits :data:`LOGITS_BLOCK_BYTES`, a multiple of 64 (at least 64)."""
+    return max(64, LOGITS_BLOCK_BYTES // (4 * vocab_size) // 64 * 64)
+
 
 @dataclass(frozen=True)
 class _Config:
@@ -34,13 +47,20 @@ class _Config:
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: _Config) -> torch.Tensor:
-    """(t, H) -> (t, V) logits in the loss dtype, after scale and softcap."""
+    """(t, H) -> (t, V) logits in the loss dtype, after scale and softcap (in place: one block)."""
     z = F.linear(h.to(cfg.mm_dtype), w, b).to(cfg.ct)
     if cfg.logit_scale is not None:
-        z = z * cfg.logit_scale
+        z.mul_(cfg.logit_scale)
     if cfg.softcap:
-        z = cfg.softcap * torch.tanh(z / cfg.softcap)
+        z.div_(cfg.softcap).tanh_().mul_(cfg.softcap)
     return z
+
+
+def _logsumexp_(z: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(z, -1)`` computed in ``z``'s own storage (destroys it): no second block."""
+    m = z.amax(dim=-1, keepdim=True)
+    m.masked_fill_(m.isinf(), 0.0)  # as torch.logsumexp: a row of -inf stays -inf, not NaN
+    return z.sub_(m).exp_().sum(-1).log_().add_(m[:, 0])
 
 
 def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -69,10 +89,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 y = labels[sl]
                 valid = y != cfg.ignore_index
                 target = z.gather(1, torch.where(valid, y, 0)[:, None])[:, 0]  # ignore_index never indexes
-                lse_c = torch.logsumexp(z, dim=-1)
+                lse_c = _logsumexp_(z)
+                del z
                 total = total + torch.where(valid, lse_c - target, 0.0).sum()
                 lse[sl] = lse_c
-                del z
         ctx.cfg = cfg
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         return total
@@ -95,23 +115,31 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 z = _logits(h, w, b, cfg)  # recompute (c, V)
                 y = labels[sl]
                 valid = y != cfg.ignore_index
-                p = torch.exp(z - lse[sl, None])  # softmax
-                neg_onehot = -valid.to(cfg.ct)[:, None]  # -1 at valid targets
-                g = p.scatter_add(1, torch.where(valid, y, 0)[:, None], neg_onehot)  # softmax - onehot
-                g = torch.where(valid[:, None], g, 0.0) * grad  # ignored tokens: exactly 0
-                del p
-                if cfg.softcap:  # z = cap * tanh(x / cap)  ->  dz/dx = 1 - (z / cap)^2
-                    g = g * (1 - (z / cfg.softcap) ** 2)
-                if cfg.logit_scale is not None:
-                    g = g * cfg.logit_scale
+                if cfg.softcap:  # z = cap * tanh(x / cap)  ->  dz/dx = 1 - (z / cap)^2, kept in z's block
+                    g = (z - lse[sl, None]).exp_()
+                    dcap = z.div_(cfg.softcap).square_().neg_().add_(1)
+                else:
+                    g, dcap = z.sub_(lse[sl, None]).exp_(), None  # softmax, in z's block
                 del z
-                g_mm = g.to(cfg.mm_dtype)
+                neg_onehot = -valid.to(cfg.ct)[:, None]  # -1 at valid targets
+                g.scatter_add_(1, torch.where(valid, y, 0)[:, None], neg_onehot)  # softmax - onehot
+                g.mul_(torch.where(valid, grad, 0.0)[:, None])  # ignored tokens: exactly 0
+                if dcap is not None:
+                    g.mul_(dcap)
+                    del dcap
+                if cfg.logit_scale is not None:
+                    g.mul_(cfg.logit_scale)
+                g_mm = g.to(cfg.mm_dtype)  # no copy in fp32
                 if need_h:
                     grad_h[sl] = (g_mm @ w).to(hidden.dtype)
                 if need_w:
-                    grad_w.add_(g_mm.t() @ h)
+                    if g_mm.dtype == grad_w.dtype:
+                        grad_w.addmm_(g_mm.t(), h)  # no (V, H) temporary
+                    else:
+                        grad_w.add_(g_mm.t() @ h)
                 if need_b:
                     grad_b.add_(g.sum(0))
+                del g, g_mm  # before the next chunk's block exists
         return (
             grad_h,
             None if grad_w is None else grad_w.to(weight.dtype),
@@ -128,7 +156,7 @@ def chunked_lm_head_cross_entropy(
     *,
     bias: torch.Tensor | None = None,
     group: Group = None,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     ignore_index: int = IGNORE_INDEX,
     logit_scale: float | None = None,
     softcap: float | None = None,
@@ -140,7 +168,8 @@ def chunked_lm_head_cross_entropy(
         weight: ``(V, H)`` the ``lm_head`` weight (tied embeddings work: gradients flow normally).
         shift_labels: ``(b, s)`` targets already shifted before sharding (``shard_batch`` does it).
         bias: optional ``(V,)``.
-        chunk_size: tokens per chunk; at most a ``(chunk_size, V)`` logits block is alive.
+        chunk_size: tokens per chunk; at most a ``(chunk_size, V)`` fp32 logits block is alive (two with a
+            soft-cap). ``None``: :func:`default_loss_chunk_size` of ``V``.
         logit_scale: multiply the logits (Cohere's ``logit_scale``). softcap: ``cap * tanh(z / cap)``
             (Gemma-2's ``final_logit_softcapping``), applied after the scale.
 
@@ -160,6 +189,8 @@ def chunked_lm_head_cross_entropy(
         )
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"bias must be (vocab,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if chunk_size is None:
+        chunk_size = default_loss_chunk_size(weight.shape[0])
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
     device_type = hidden.device.type

@@ -7,7 +7,8 @@ Usage (the console script routes ``lightning-longctx plan ...`` here)::
 
 Read from the YAML: ``model.init_args.model_config`` (or ``pretrained_path``, a local directory),
 ``model.init_args.dtype`` and ``activation_checkpointing``; ``trainer.devices``, ``num_nodes``,
-``precision``, ``accelerator`` and ``strategy`` (``UlyssesFPDTStrategy`` with its ``init_args``, or a
+``precision``, ``accelerator`` and ``strategy`` (``UlyssesFPDTStrategy`` with its ``init_args``, e.g.
+``activation_offload``, or a
 registered name such as ``ulysses_fpdt``); ``data.init_args.seq_len`` and ``batch_size``.
 """
 
@@ -103,6 +104,7 @@ def plan_kwargs_from_config(
         "fpdt_chunk_size": chunk,
         "offload": bool(offload),
         "activation_checkpointing": bool(settings.get("activation_checkpointing") or model_args.get("activation_checkpointing")),
+        "activation_offload": bool(settings.get("activation_offload")),
         "data_parallel": settings.get("data_parallel", "ddp"),
         "micro_batch_size": int(data_args.get("batch_size", 1)),
         "precision": str(trainer.get("precision", "32-true")),

@@ -14,8 +14,9 @@ stream's bytes (the embedding's dtype):
 
 * **weights, gradients** ``= n_params * w`` (``/ (dp*sp)`` with FSDP); **optimizer state** = 2 states
   (AdamW) ``* n_params * w`` (torch keeps them in the parameter dtype; Lightning's ``bf16-mixed``
-  keeps fp32 weights, which are the master copy: no extra one); **DDP gradient buckets** = one more
-  copy of the gradients (DDP's default, ``gradient_as_bucket_view=False``); FSDP: the unsharded root
+  keeps fp32 weights, which are the master copy: no extra one); DDP: the gradients are views into its
+  all-reduce buckets (the strategy sets ``gradient_as_bucket_view=True``), allocated for the whole run,
+  so they show as **DDP gradient buckets** in every phase; FSDP: the unsharded root
   parameters (embedding, head, final norm) for the step, two unsharded blocks (current + prefetched)
   and one block's plus the root's unsharded gradients in backward.
 * **activations kept for backward**, per layer per token: two RMSNorms ``2 * (4 + r) * d`` (fp32 input,
@@ -25,12 +26,15 @@ stream's bytes (the embedding's dtype):
   offload; its blocks run in the autocast dtype, the lse too); the o_proj input ``H*hd*m``; the MLP's
   gate, act, up, act*up ``4*I*m`` (none when FPDT tiles it). With activation checkpointing only each
   layer's input ``d*r``, and one layer is recomputed in backward; FPDT's offloaded chunks of every layer
-  still stay on the host (its chunk store lives on the autograd node, which checkpointing keeps). Plus
+  still stay on the host (its chunk store lives on the autograd node, which checkpointing keeps). With
+  ``activation_offload`` those layer inputs are on the host; the device holds the one being recomputed
+  and the next one prefetched in backward, and the running one in forward. Plus
   the final norm, the head's input (both freed in the loss backward), the batch and the RoPE tables.
 * **loss working set**: Ulysses (Hugging Face's loss) ``t*V`` fp32 log-softmax + its gradient + the
-  logits' gradient (``12*t*V`` bytes at the start of backward); FPDT's chunked lm_head + loss: five
-  fp32 ``(loss_chunk, V)`` blocks and the previous chunk's gradient in backward, plus the head's fp32
-  gradient accumulator.
+  logits' gradient (``12*t*V`` bytes at the start of backward); FPDT's chunked lm_head + loss: one
+  fp32 ``(loss_chunk, V)`` block (two with a soft-cap; plus its matmul-dtype original and copy under
+  autocast), the head's fp32 gradient accumulator and the hidden states' gradient; ``loss_chunk``
+  defaults to 128 MiB per block (``chunked_loss.default_loss_chunk_size``).
 * **attention / MLP working sets, all-to-all buffers**: one layer's transient tensors in forward and
   backward (Ulysses: the gradients of q, k, v and the all-to-all copies, O(t); FPDT: one chunk's
   segment, one ``(H/P, 1024, 1024)`` score tile, the double-buffered kv prefetch with offload, and the
@@ -60,6 +64,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_longctx.chunked_loss import default_loss_chunk_size
 from lightning_longctx.flops import _NON_GATED_MODEL_TYPES, _dims, _text_config, matmul_params
 from lightning_longctx.strategy import DEFAULT_FPDT_CHUNK_SIZE, SUPPORTED_PRECISION
 
@@ -145,6 +150,7 @@ class _Shape:
     matmul_params: int  # weights that go through a matmul (autocast casts these)
     head_params: int  # the lm_head weight (its gradient comes first in backward)
     model_name: str
+    softcap: bool  # a final-logit soft-cap (Gemma-2): the chunked loss backward keeps two blocks
 
 
 def _as_config(config: Any) -> Any:
@@ -205,7 +211,7 @@ def _shape_of(config: Any) -> _Shape:
         root = d * vocab * (1 if tied else 2) + d
         total, name = layers * block + root, type(config).__name__.replace("Config", "")
     return _Shape(d, layers, heads, kv_heads, head_dim, inter, vocab, gated, total, block, root, n_matmul,
-                  d * vocab, name)  # fmt: skip
+                  d * vocab, name, bool(getattr(text, "final_logit_softcapping", None)))  # fmt: skip
 
 
 def _shape(config: Any) -> _Shape:
@@ -258,6 +264,7 @@ class MemoryPlan:
     mlp_chunk_size: int | None
     offload: bool
     activation_checkpointing: bool
+    activation_offload: bool
     data_parallel: str
     micro_batch_size: int
     precision: str
@@ -310,7 +317,9 @@ class MemoryPlan:
                 " + offload" if self.offload else ""
             )
         extras = [self.precision, self.data_parallel.upper()]
-        if self.activation_checkpointing:
+        if self.activation_offload:
+            extras.append("activation checkpointing + offload")
+        elif self.activation_checkpointing:
             extras.append("activation checkpointing")
         if self.micro_batch_size > 1:
             extras.append(f"micro batch {self.micro_batch_size}")
@@ -384,6 +393,7 @@ def plan_memory(
     fpdt_chunk_size: int | None = None,
     offload: bool = False,
     activation_checkpointing: bool = False,
+    activation_offload: bool = False,
     data_parallel: str = "ddp",
     micro_batch_size: int = 1,
     precision: str = "32-true",
@@ -405,14 +415,15 @@ def plan_memory(
         mode: ``"ulysses"`` or ``"fpdt"``. fpdt_chunk_size: tokens per chunk per rank (FPDT; default
             4096, capped at the local length as the strategy does). offload: FPDT's chunks in host memory.
         activation_checkpointing: checkpoint every decoder layer (the strategy's or ``CausalLM``'s flag).
+        activation_offload: the checkpointed layer inputs in host memory (implies checkpointing).
         data_parallel: ``"ddp"`` (replicated parameters, gradient buckets) or ``"fsdp"`` (sharded).
         micro_batch_size: sequences per device per step.
         precision: a Lightning precision (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ...).
         param_dtype: the weights' dtype when the model is built in one (``CausalLM(dtype=...)``), e.g.
             ``"bfloat16"``; ``None``: what the precision gives (fp32 for ``-mixed`` and ``32-true``).
         optimizer: ``"adamw"`` / ``"adam"`` (2 states per parameter) or ``"sgd"`` (none).
-        loss_chunk_size / mlp_chunk_size: FPDT's chunk of the lm_head + loss / the tiled MLP
-            (default: the FPDT chunk size, as the strategy).
+        loss_chunk_size / mlp_chunk_size: FPDT's chunk of the lm_head + loss / the tiled MLP (defaults
+            as the strategy's: 128 MiB fp32 logits blocks / the FPDT chunk size).
         device_memory: bytes (or ``"80GiB"``) per device, to say whether the plan fits.
 
     Returns a :class:`MemoryPlan`; ``plan.table()`` prints it.
@@ -436,6 +447,7 @@ def plan_memory(
                         ("mlp_chunk_size", mlp_chunk_size)):  # fmt: skip
         if value is not None:
             _check_int(name, value)
+    activation_checkpointing = bool(activation_checkpointing or activation_offload)  # offload implies it
     w, m, r, autocast = _dtypes(precision, param_dtype)
     casting = autocast and w != m  # autocast makes (and linear saves) low-precision copies
     memory = None if device_memory is None else parse_bytes(device_memory)
@@ -444,7 +456,7 @@ def plan_memory(
     chunk = None
     if mode == "fpdt":
         chunk = min(fpdt_chunk_size or DEFAULT_FPDT_CHUNK_SIZE, -(-seq_len // P))  # strategy.chunk_size_for
-        loss_chunk_size = loss_chunk_size or fpdt_chunk_size or DEFAULT_FPDT_CHUNK_SIZE
+        loss_chunk_size = loss_chunk_size or default_loss_chunk_size(shape.vocab)
         mlp_chunk_size = mlp_chunk_size or fpdt_chunk_size or DEFAULT_FPDT_CHUNK_SIZE
     multiple = P * (chunk or 1)
     n_pad = -(-seq_len // multiple) * multiple
@@ -464,7 +476,7 @@ def plan_memory(
     W = dp * P
     shard = W if data_parallel == "fsdp" else 1
     weights = -(-s.params // shard) * w
-    grads = weights
+    grads = 0 if data_parallel == "ddp" else weights  # DDP: views into its buckets (gradient_as_bucket_view)
     states = OPTIMIZER_STATES[optimizer.lower()]
     opt = states * weights
     buckets = s.params * w if data_parallel == "ddp" else 0  # the strategy wraps in DDP even on one rank
@@ -476,7 +488,6 @@ def plan_memory(
     fsdp_step = s.root_params * w if data_parallel == "fsdp" else 0  # root stays unsharded (reshard=False)
     fsdp_blocks = 2 * s.block_params * w if data_parallel == "fsdp" else 0  # current + prefetched block
     fsdp_grads = (s.block_params + s.root_params) * w if data_parallel == "fsdp" else 0
-    head_grad = s.head_params * w if data_parallel == "ddp" else 0  # FSDP: inside fsdp_grads
     opt_step = opt // 2 if states else 0  # foreach AdamW: one temporary per state (sqrt of exp_avg_sq)
 
     # ---- activations kept for backward ----
@@ -501,7 +512,12 @@ def plan_memory(
     final = (4 + r) * d * t + head_in  # the final norm and the head's input: freed in the loss backward
     model_once = final + 4 * 8 * t + 2 * hd * r * t  # + the batch's ids and the RoPE tables
     if activation_checkpointing:
-        acts_device, acts_host = L * d * r * t + model_once, L * layer_host
+        inputs = L * d * r * t  # the checkpointed layer inputs
+        acts_device, acts_host = (
+            (model_once, L * layer_host + inputs)
+            if activation_offload
+            else (inputs + model_once, L * layer_host)
+        )
     else:
         acts_device, acts_host = L * layer_device + model_once, L * layer_host
 
@@ -509,12 +525,16 @@ def plan_memory(
     ct = max(m, 4)  # the softmax / loss dtype: fp32 (fp64 for fp64)
     if fpdt:
         lc = min(loss_chunk_size, t)
-        several = t > lc  # the previous chunk's gradient is still referenced during the next one
         # forward: one logits block (+ its matmul-dtype original) and logsumexp's exp; backward: the
         # recomputed block, exp, softmax - onehot, where(), * grad, the previous chunk's gradient, and
         # the fp32 grad_w accumulator and grad_h
-        loss_fwd = lc * V * (2 * ct + (m if m != ct else 0)) + s.head_params * chunk_casts
-        loss_bwd = lc * V * (5 * ct + (m if several else 0)) + s.head_params * (ct + chunk_casts) + d * r * t
+        low = m if m != ct else 0  # autocast: the matmul-dtype logits (and gradient) beside the fp32 block
+        loss_fwd = lc * V * (ct + low) + s.head_params * chunk_casts
+        loss_bwd = (
+            lc * V * ((2 if s.softcap else 1) * ct + low)
+            + s.head_params * (ct + chunk_casts + low)
+            + d * r * t
+        )
     else:
         loss_fwd = t * V * (m + ct + (ct if m != ct else 0))  # logits (+ fp32 copy) + log-softmax
         loss_bwd = 3 * ct * t * V  # log-softmax, its gradient, the logits' gradient
@@ -551,6 +571,10 @@ def plan_memory(
     # the recomputed layer's first norm saves the checkpointed input itself when it is fp32 already
     recompute_dev = layer_device - (d * 4 * t if r == 4 else 0) if activation_checkpointing else 0
     recompute_host = layer_host if activation_checkpointing else 0
+    # activation offload: the last layer's input is alive on the device while it runs forward; in backward the
+    # recomputed layer's input and the one prefetched for the layer before it
+    running = d * r * t if activation_offload else 0
+    fetched = min(2, L) * d * r * t if activation_offload else 0
 
     # ---- phases: what is alive at each candidate peak ----
     ACTS, RECOMPUTE = "activations kept for backward", "layer recompute (checkpointing)"
@@ -574,10 +598,11 @@ def plan_memory(
     fsdp_fwd = {"FSDP unsharded params/grads": fsdp_step + fsdp_blocks}
     fsdp_bwd = {"FSDP unsharded params/grads": fsdp_step + fsdp_blocks + fsdp_grads}
     phases: dict[str, tuple[dict[str, int], int]] = {
-        "layer forward": (layer_moment({**resident, "gradients": grads, **fsdp_fwd}, attn_fwd, mlp_fwd, 0), acts_host),
+        "layer forward": (layer_moment({**resident, ACTS: acts_device + running, "gradients": grads, **fsdp_fwd},
+                                       attn_fwd, mlp_fwd, 0), acts_host),
         "loss forward": ({**resident, "gradients": grads, "loss working set": loss_fwd}, acts_host),
         "loss backward": ({**resident, "loss working set": loss_bwd}, acts_host),
-        "layer backward": (layer_moment({**resident, ACTS: acts_device - final, "gradients": head_grad, **fsdp_bwd,
+        "layer backward": (layer_moment({**resident, ACTS: acts_device - final + fetched, "gradients": 0, **fsdp_bwd,
                                          RECOMPUTE: recompute_dev},
                                         attn_bwd, mlp_bwd, grad_stream), acts_host + recompute_host),
         "optimizer step": ({"weights": weights, "DDP gradient buckets": buckets, "FSDP unsharded params/grads":
@@ -589,14 +614,15 @@ def plan_memory(
 
     notes = {
         "weights": f"{s.params:,} params x {w} B" + (f" / {shard} (FSDP)" if shard > 1 else ""),
-        "gradients": "freed between forward and backward (Lightning's zero_grad)",
+        "gradients": "FSDP's sharded gradients, freed between forward and backward (Lightning's zero_grad)",
         "optimizer state": f"{optimizer.lower()}: {states} x params x {w} B" + (" + foreach temporary" if states else ""),
-        "DDP gradient buckets": "one more gradient copy (gradient_as_bucket_view=False)",
+        "DDP gradient buckets": "the gradients, as views into DDP's buckets (gradient_as_bucket_view=True)",
         "FSDP unsharded params/grads": "root params; 2 blocks in flight; block + root grads in backward",
         "autocast weight copies": f"{m}-byte casts of the weights linear keeps for backward",
         "activations kept for backward": ("layer inputs (checkpointed)" if activation_checkpointing else
                                           "per layer: norms, q/k/v/out/lse, projections" + (", MLP" if not mlp_tiled else ""))
-        + ("; host: FPDT chunks (offload)" if offload else ""),
+        + ("; host: FPDT chunks (offload)" if offload else "")
+        + ("; host: the layer inputs (activation offload)" if activation_offload else ""),
         "loss working set": (f"chunked lm_head + loss: ({min(loss_chunk_size, t):,} x {V:,}) blocks" if fpdt
                              else f"logits ({t:,} x {V:,}) fp32: log-softmax + gradients"),
         "attention working set": (f"one segment of {seg // b:,} tokens, {tile}x{tile} score tile, dq/dk/dv" if fpdt
@@ -631,7 +657,8 @@ def plan_memory(
         loss_chunk_size=loss_chunk_size if fpdt else None,
         mlp_chunk_size=mlp_chunk_size if fpdt else None,
         offload=bool(offload),
-        activation_checkpointing=bool(activation_checkpointing),
+        activation_checkpointing=activation_checkpointing,
+        activation_offload=bool(activation_offload),
         data_parallel=data_parallel,
         micro_batch_size=b,
         precision=str(precision),

@@ -68,8 +68,12 @@ class SequenceParallelConfig:
             (FSDP2 ``fully_shard`` of every transformer block and of each HF model over all dp x sp
             ranks; checkpoints hold full, unsharded state dicts).
         activation_checkpointing: enable HF gradient checkpointing (non-reentrant) on patched models.
+        activation_offload: checkpoint the decoder layers (as ``activation_checkpointing``) and keep each
+            layer's checkpointed input in pinned host memory until its recompute in backward, prefetched
+            back on a side stream; bit-identical results. On CPU it copies and saves nothing.
         mlp_chunk_size: tokens per chunk of the FPDT-tiled MLP (default: ``fpdt_chunk_size``).
-        loss_chunk_size: tokens per chunk of FPDT's chunked lm_head + loss (default: ``fpdt_chunk_size``).
+        loss_chunk_size: tokens per chunk of FPDT's chunked lm_head + loss (default: from the vocabulary, at
+            most 128 MiB per fp32 logits block: 1024 tokens of a 32K vocabulary, 256 of a 128K one).
         pad_token_id: token that pads sequences whose length does not divide.
         ignore_index: label of tokens without a loss (padding gets it too).
         loss_normalization: ``"tokens"`` (default): the loss and every gradient of an optimizer step are
@@ -84,6 +88,7 @@ class SequenceParallelConfig:
     attention_backend: str = "auto"
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
     activation_checkpointing: bool = False
+    activation_offload: bool = False
     mlp_chunk_size: int | None = None
     loss_chunk_size: int | None = None
     pad_token_id: int = 0
@@ -104,6 +109,9 @@ class SequenceParallelConfig:
             raise ValueError(
                 f"offload={self.offload!r}: use True, False or 'auto' (on when training on CUDA)"
             )
+        for name in ("activation_checkpointing", "activation_offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: use True or False")
         if self.offload is True and self.fpdt_chunk_size is None:
             raise ValueError("offload=True needs FPDT chunking: set fpdt_chunk_size (e.g. 4096)")
         if self.loss_normalization not in ("tokens", "micro_batch"):
@@ -162,7 +170,8 @@ class UlyssesFPDTStrategy(DDPStrategy):
         process_group_backend: as in ``DDPStrategy`` (``"nccl"`` on CUDA, ``"gloo"`` on CPU by default).
         timeout: as in ``DDPStrategy``.
         kwargs: the settings above, and anything else goes to ``DDPStrategy`` (e.g. DDP's
-            ``find_unused_parameters``).
+            ``find_unused_parameters``). ``gradient_as_bucket_view`` defaults to True here (the
+            gradients live in DDP's buckets, not in a second copy).
     """
 
     strategy_name = "ulysses_fpdt"
@@ -176,6 +185,8 @@ class UlyssesFPDTStrategy(DDPStrategy):
     ) -> None:
         settings = {name: kwargs.pop(name) for name in _CONFIG_FIELDS if name in kwargs}
         self.sp_config = SequenceParallelConfig(**settings)  # bad settings fail before any DDP set-up
+        # gradients as views into DDP's all-reduce buckets: DDP's default keeps a second full copy of them
+        kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
         self._layout: ParallelLayout | None = None
         self._mesh: Any = None
@@ -298,8 +309,8 @@ class UlyssesFPDTStrategy(DDPStrategy):
                 mlp_chunk_size=cfg.mlp_chunk_size,
                 loss_chunk_size=cfg.loss_chunk_size,
             )
-            if cfg.activation_checkpointing:
-                enable_activation_checkpointing(module)
+            if cfg.activation_checkpointing or cfg.activation_offload:
+                enable_activation_checkpointing(module, offload=cfg.activation_offload)
             self._contexts.append(context_of(module))
 
     @override

@@ -92,11 +92,12 @@ def test_bench_memory_smoke(tmp_path: Path) -> None:
     _run_script(
         [
             "benchmarks/bench_memory.py",
-            *("--seq-lens", "256", "--modes", "ulysses", "fpdt", "--chunk-size", "64", "--out", str(out)),
+            *("--seq-lens", "256", "--modes", "ulysses", "fpdt", "fpdt_act_offload", "--chunk-size", "64"),
+            *("--out", str(out)),
         ]
     )
     data = json.loads(out.read_text())
-    assert data["benchmark"] == "memory" and len(data["rows"]) == 2
+    assert data["benchmark"] == "memory" and len(data["rows"]) == 3
     assert all(r["status"] == "ok" and r["step_mib"] > 0 for r in data["rows"])
     assert out.with_suffix(".png").stat().st_size > 0
 

@@ -31,11 +31,13 @@ def test_weights_gradients_optimizer_are_the_real_parameter_count(tied):
     n = sum(p.numel() for p in _model(config).parameters())
     plan = plan_memory(config, seq_len=1024, sequence_parallel_size=2, precision="32-true")
     assert plan.params == n
-    assert plan["weights"].largest == plan["gradients"].largest == 4 * n
-    assert plan["DDP gradient buckets"].largest == 4 * n  # DDP's buckets: one more gradient copy
-    assert plan.between_steps == 5 * 4 * n  # weights, gradients, 2 AdamW states, buckets
+    assert plan["weights"].largest == 4 * n
+    # DDP: the gradients are views into its buckets (gradient_as_bucket_view=True), no second copy
+    assert plan["DDP gradient buckets"].largest == 4 * n
+    assert "gradients" not in [c.name for c in plan.components]
+    assert plan.between_steps == 4 * 4 * n  # weights, 2 AdamW states, buckets (= the gradients)
     sgd = plan_memory(config, seq_len=1024, sequence_parallel_size=2, optimizer="sgd")
-    assert sgd.between_steps == 3 * 4 * n
+    assert sgd.between_steps == 2 * 4 * n
     half = plan_memory(config, seq_len=1024, sequence_parallel_size=2, precision="bf16-true")
     assert half["weights"].largest == 2 * n
     mixed = plan_memory(config, seq_len=1024, sequence_parallel_size=2, precision="bf16-mixed")
@@ -46,7 +48,7 @@ def test_weights_gradients_optimizer_are_the_real_parameter_count(tied):
     fsdp = plan_memory(
         config, seq_len=1024, sequence_parallel_size=2, data_parallel_size=4, data_parallel="fsdp"
     )
-    assert fsdp["weights"].largest == -(-n // 8) * 4
+    assert fsdp["weights"].largest == fsdp["gradients"].largest == -(-n // 8) * 4
     assert "DDP gradient buckets" not in [c.name for c in fsdp.components]
 
 
@@ -90,21 +92,33 @@ def test_activations_match_what_autograd_saves(mode, precision):
     assert planned == pytest.approx(saved, rel=0.005)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_offloaded_bytes_are_the_planned_host_activations(checkpointing):
-    """FPDT offload: the chunks every layer keeps on the host after the forward, with checkpointing too
-    (the chunk store lives on the autograd node, which checkpointing keeps)."""
+OFFLOAD_CASES = {  # mode, FPDT offload, activation checkpointing, activation offload
+    "fpdt_offload": ("fpdt", True, False, False),
+    "fpdt_offload_checkpointing": ("fpdt", True, True, False),
+    "fpdt_offload_activation_offload": ("fpdt", True, True, True),
+    "ulysses_activation_offload": ("ulysses", False, True, True),
+}
+
+
+@pytest.mark.parametrize("case", list(OFFLOAD_CASES))
+def test_offloaded_bytes_are_the_planned_host_activations(case):
+    """What the host holds after the forward: FPDT's offloaded chunks of every layer, with checkpointing too
+    (the chunk store lives on the autograd node, which checkpointing keeps), and with activation offload
+    every layer's checkpointed input."""
     from lightning_longctx.attention.offload import offloaded_bytes
     from lightning_longctx.integrations.transformers import enable_activation_checkpointing
 
+    mode, offload, checkpointing, activation_offload = OFFLOAD_CASES[case]
+    chunk = 64 if mode == "fpdt" else None
     model = _model(TINY)
-    enable_sequence_parallel(model, mode="fpdt", chunk_size=64, offload=True)
+    enable_sequence_parallel(model, mode=mode, chunk_size=chunk, offload=offload)
     if checkpointing:
-        enable_activation_checkpointing(model)
+        enable_activation_checkpointing(model, offload=activation_offload)
     ids = torch.randint(0, TINY["vocab_size"], (1, 256))
-    loss = model(**shard_batch({"input_ids": ids, "labels": ids.clone()}, chunk_size=64)).loss
-    plan = plan_memory(TINY, seq_len=256, sequence_parallel_size=1, mode="fpdt", fpdt_chunk_size=64, offload=True,
-                       activation_checkpointing=checkpointing)  # fmt: skip
+    loss = model(**shard_batch({"input_ids": ids, "labels": ids.clone()}, chunk_size=chunk)).loss
+    plan = plan_memory(TINY, seq_len=256, sequence_parallel_size=1, mode=mode, fpdt_chunk_size=chunk,
+                       offload=offload, activation_checkpointing=checkpointing,
+                       activation_offload=activation_offload)  # fmt: skip
     assert offloaded_bytes() == plan["activations kept for backward"].host > 0
     loss.backward()
     assert offloaded_bytes() == 0

@@ -101,6 +101,25 @@ CASES = {
         2,
     ),
     "llama_sp2_activation_checkpointing": ("llama", 2, 2, {"activation_checkpointing": True}, {}, 1),
+    # activation offload (checkpointed layer inputs in host memory), alone and with FPDT offload and FSDP
+    "llama_sp1_activation_offload": ("llama", 1, 1, {"activation_offload": True}, {}, 1),
+    "llama_sp2_activation_offload": ("llama", 2, 2, {"activation_offload": True}, {}, 1),
+    "qwen2_fpdt_sp4_offload_activation_offload": (
+        "qwen2",
+        4,
+        4,
+        {"fpdt_chunk_size": 2, "offload": True, "activation_offload": True},
+        {"kv_heads": 1},
+        1,
+    ),
+    "llama_fsdp_dp2_sp2_fpdt_activation_offload": (
+        "llama",
+        4,
+        2,
+        {"data_parallel": "fsdp", "fpdt_chunk_size": 4, "offload": True, "activation_offload": True},
+        {},
+        1,
+    ),
     # FPDT: 24 tokens, sp 2 -> 12 local tokens in 3 chunks of 4; tiled MLP + chunked loss; offload
     "llama_fpdt_sp2_offload": ("llama", 2, 2, {"fpdt_chunk_size": 4, "offload": True}, {}, 1),
     "qwen2_fpdt_sp4_gqa_kv1": ("qwen2", 4, 4, {"fpdt_chunk_size": 2}, {"kv_heads": 1}, 1),
@@ -192,7 +211,8 @@ def test_settings_are_written_once_and_seen_by_the_cli():
     assert "{config_args}" not in UlyssesFPDTStrategy.__doc__
     strategy = UlyssesFPDTStrategy(fpdt_chunk_size=8, pad_token_id=3, find_unused_parameters=True)
     assert strategy.sp_config == SequenceParallelConfig(fpdt_chunk_size=8, pad_token_id=3)
-    assert strategy._ddp_kwargs == {"find_unused_parameters": True}  # the rest goes to DDP
+    # the rest goes to DDP; gradients live in its buckets by default
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True, "gradient_as_bucket_view": True}
 
 
 # ---- guardrails ----

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared check for an NVIDIA GPU machine (PyTorch, Triton, transformers; no internet, no
-# flash-attn, nothing installed): the CUDA tests, then MFU and the largest FPDT+offload sequence of a
+# flash-attn, nothing installed): the CUDA tests, then MFU and the largest FPDT + offload + activation offload sequence of a
 # ~1B Llama on ONE GPU. Run from anywhere; it works in the repository root. Ends in < 8 minutes.
 #
 #   bash benchmarks/gpu/check.sh OUTDIR            # on the GPU machine
@@ -68,9 +68,10 @@ main() {
     RC_MFU=$?
     echo "mfu exit code: $RC_MFU"
 
-    stage "4/5 largest sequence with FPDT + offload, doubling from $FIT_START (budget ${FIT_BUDGET}s)"
+    stage "4/5 largest sequence with FPDT + offload + activation offload, doubling from $FIT_START (budget ${FIT_BUDGET}s)"
     H=$(cap $((FIT_BUDGET + 20)))
     timeout -k 10 "$H" "$PY" benchmarks/gpu/longctx.py fit --start "$FIT_START" --budget-s "$(minus "$H" 20)" --steps 1 \
+        --activation-offload \
         --out "$OUT/fit.json" ${FIT_EXTRA[@]+"${FIT_EXTRA[@]}"}
     RC_FIT=$?
     echo "fit exit code: $RC_FIT"

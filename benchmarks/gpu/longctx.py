@@ -15,11 +15,15 @@ all-to-alls are identities, the kernels and tiling are the ones used at any P):
   sweep. MFU = ``flops_per_token(config, N) * N / step_s / peak`` (causal attention counted half,
   recomputation never counted), peak = the data-sheet dense bf16 FLOP/s of ``lightning_longctx.flops``
   (989e12 for an H200; a GPU not in that table: its measured bf16 matmul).
-* ``fit`` (mode ``fpdt`` + ``offload``): doubling search from ``--start``, one fresh process per length
+* ``fit`` (mode ``fpdt`` + ``offload``; ``--activation-offload``: checkpointing from the start with each
+  layer's input in host memory): doubling search from ``--start``, one fresh process per length
   (``common.launch``: an OOM of the GPU or of pinned host memory can't poison the next try), stopping
   at the first failure, or when the next length's predicted time (4x the last: attention is quadratic)
   exceeds what is left of ``--budget-s``. The peak GPU memory of the lengths that ran gives a linear
   estimate of the largest length that would fit (FPDT's memory is linear in N), labelled as an estimate.
+  Each length also gets the memory planner's prediction (``plan_memory``: bf16 weights, AdamW, P = 1)
+  and its error against ``max_memory_allocated`` (the planner counts DDP buckets, here the gradients:
+  the same bytes).
   ``--start N --max-len N`` runs one length.
 
 Both write their JSON after each length, so a run killed by ``timeout`` keeps what it measured.
@@ -179,7 +183,9 @@ def measure_length(
     row: dict[str, Any] = {"seq_len": n}
     for use_ckpt in [ckpt] if ckpt else [False, True]:
         if use_ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            from lightning_longctx.integrations.transformers import enable_activation_checkpointing
+
+            enable_activation_checkpointing(model, offload=getattr(args, "activation_offload", False))
         else:
             model.gradient_checkpointing_disable()
         if device.type == "cuda":
@@ -305,9 +311,12 @@ def run_length(args: argparse.Namespace) -> dict[str, Any]:
     stepper = Stepper(model, args, device)
     row, _ = measure_length(stepper, args.seq_len, args, args.checkpointing)
     add_rates(row, model.config, peak)
+    if row.get("status") == "ok":
+        add_plan(row, model.config, args)
     row.update(
         mode=args.mode,
         offload=args.offload,
+        activation_offload=args.activation_offload,
         chunk_size=args.chunk_size,
         float32_matmul_precision=torch.get_float32_matmul_precision(),
         host_offloaded_gib=round(stepper.host_bytes_after_forward / GIB, 2),
@@ -319,6 +328,20 @@ def run_length(args: argparse.Namespace) -> dict[str, Any]:
     if device.type == "cuda":
         row["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / GIB, 1)
     return row
+
+
+def add_plan(row: dict[str, Any], config: Any, args: argparse.Namespace) -> None:
+    """The memory planner's device bytes for this length and settings, and its error vs the measured."""
+    from lightning_longctx import plan_memory
+
+    plan = plan_memory(config, seq_len=row["seq_len"], sequence_parallel_size=1, mode="fpdt",
+                       fpdt_chunk_size=args.chunk_size, offload=True, activation_checkpointing=row["activation_checkpointing"],
+                       activation_offload=args.activation_offload, precision="bf16-true", optimizer="adamw")  # fmt: skip
+    row["planned_gib"] = round(plan.device_total / GIB, 2)
+    row["planned_host_gib"] = round(plan.host_total / GIB, 2)
+    row["planned_peak_phase"] = plan.peak_phase
+    if row.get("max_allocated_gib"):
+        row["planner_error_pct"] = round(100 * (plan.device_total / GIB / row["max_allocated_gib"] - 1), 1)
 
 
 def estimate_limit(rows: list[dict[str, Any]], key: str, capacity: float | None) -> dict[str, Any] | None:
@@ -345,13 +368,14 @@ def cmd_fit(args: argparse.Namespace) -> int:
         "benchmark": "gpu_fpdt_offload_fit",
         "mode": "fpdt",
         "offload": True,
+        "activation_offload": args.activation_offload,
         "chunk_size": args.chunk_size,
         "tf32": args.tf32,
         "budget_s": args.budget_s,
         "environment": environment(),
         "results": [],
     }
-    n, ckpt, last = args.start, args.checkpointing, None
+    n, ckpt, last = args.start, args.checkpointing or args.activation_offload, None
     while n <= args.max_len:
         left = args.budget_s - (time.perf_counter() - t_start)
         # last = (first step s, start-up s) of the last length; attention is quadratic: 4x is an upper bound
@@ -421,10 +445,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--max-len", type=int, default=1 << 22)
     f.add_argument("--budget-s", type=float, default=180)
     f.add_argument("--checkpointing", action="store_true", help="start with activation checkpointing on")
+    f.add_argument("--activation-offload", action="store_true",
+                   help="checkpointing from the start, each layer's checkpointed input in host memory")  # fmt: skip
     f.add_argument("--no-tf32", dest="tf32", action="store_false", help="FPDT block matmuls in full fp32")
     args = p.parse_args(argv)
     if args.cmd == "mfu":
-        args.mode, args.offload = "ulysses", False
+        args.mode, args.offload, args.activation_offload = "ulysses", False, False
     return args
 
 

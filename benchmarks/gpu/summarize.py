@@ -91,6 +91,22 @@ def summarize(out: Path, rc: dict[str, str]) -> dict[str, Any]:
         "fpdt_offload_largest_fit": (fit or {}).get("largest_fit"),
         "fpdt_offload_stopped_by": (fit or {}).get("stopped_by"),
         "fpdt_offload_estimated_limits": (fit or {}).get("estimated_limits"),
+        "fpdt_activation_offload": (fit or {}).get("activation_offload"),
+        "planner_vs_measured": [
+            {
+                k: r.get(k)
+                for k in (
+                    "seq_len",
+                    "max_allocated_gib",
+                    "planned_gib",
+                    "planner_error_pct",
+                    "host_offloaded_gib",
+                    "planned_host_gib",
+                    "activation_checkpointing",
+                )
+            }
+            for r in fpdt.values()
+        ],
         "fpdt_overhead_over_ulysses": overhead,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

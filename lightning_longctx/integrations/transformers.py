@@ -287,13 +287,26 @@ def _routes_tokens(mlp: nn.Module, model: nn.Module) -> bool:
     )
 
 
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Non-reentrant checkpointing of the decoder layers (the method was renamed in transformers 5.x)."""
+def enable_activation_checkpointing(model: nn.Module, *, offload: bool = False) -> None:
+    """Non-reentrant checkpointing of the decoder layers (the method was renamed in transformers 5.x).
+
+    ``offload=True``: each layer's checkpointed input waits in pinned host memory until its recompute
+    and is prefetched back on a side stream (:class:`~lightning_longctx.checkpoint_offload.OffloadedCheckpoint`).
+    """
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:  # transformers < 5
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if offload:
+        from lightning_longctx.checkpoint_offload import OffloadedCheckpoint
+
+        # transformers' own convention (its _set_gradient_checkpointing): every module with the flag on calls
+        # its `_gradient_checkpointing_func`; one instance for the model links the layers for the prefetch
+        checkpoint_fn = OffloadedCheckpoint()
+        for module in model.modules():
+            if getattr(module, "gradient_checkpointing", False):
+                module._gradient_checkpointing_func = checkpoint_fn
 
 
 def enable_sequence_parallel(
@@ -311,7 +324,8 @@ def enable_sequence_parallel(
 
     ``mode="ulysses"``: Ulysses attention. ``mode="fpdt"``: FPDT attention with ``chunk_size`` tokens
     per chunk per rank, plus the MLPs tiled along the sequence (``mlp_chunk_size``, default
-    ``chunk_size``) and a chunked lm_head + loss (``loss_chunk_size``, default ``chunk_size``).
+    ``chunk_size``) and a chunked lm_head + loss (``loss_chunk_size``, default: 128 MiB fp32 logits blocks,
+    ``chunked_loss.default_loss_chunk_size`` of the vocabulary).
     Batches must come from ``shard_batch`` (the strategy does this) with the matching layout.
     Every layer's mask (causal, sliding window, chunked; see :class:`MaskPattern`) and, in FPDT mode,
     the model's logit scale and soft-cap are honoured; anything else is refused here or at the first call.
@@ -353,7 +367,7 @@ def enable_sequence_parallel(
         chunk_size=chunk_size,
         offload=offload,
         backend=backend,
-        loss_chunk_size=loss_chunk_size or chunk_size,
+        loss_chunk_size=loss_chunk_size,
         model_name=name,
         num_attention_layers=int(getattr(model.config, "num_hidden_layers", 0)),
         lm_head=lm_head,
