@@ -171,10 +171,11 @@ def _head_to_seq(x: torch.Tensor, num_heads: int, group: Group, async_op: bool =
     return PendingAllToAll(work, finish, send, recv) if async_op else finish()
 
 
-def _seq_to_head_packed(xs: Sequence[torch.Tensor], group: Group) -> list[torch.Tensor]:
+def _seq_to_head_packed(xs: Sequence[torch.Tensor], group: Group, async_op: bool = False) -> Any:
     """Several ``(b, s, h_x, d)`` tensors (same b, s, d and dtype; any heads) in ONE all-to-all: the
     send buffer holds, for each destination rank, its head block of every tensor one after the other.
-    Returns ``(b, P*s, h_x_r, d)`` per tensor, as :func:`_seq_to_head` would one by one."""
+    Returns ``(b, P*s, h_x_r, d)`` per tensor, as :func:`_seq_to_head` would one by one (a
+    :class:`PendingAllToAll` of that list with ``async_op``)."""
     rank, world = group_rank_size(group)
     b, s, _, d = xs[0].shape
     splits = [head_split(x.shape[2], world) for x in xs]  # per tensor, per rank
@@ -192,18 +193,24 @@ def _seq_to_head_packed(xs: Sequence[torch.Tensor], group: Group) -> list[torch.
         send = torch.cat([blk[j].reshape(-1) for j in range(world) for blk in blocks])
     in_splits = [b * s * d * sum(sp[j] for sp in splits) for j in range(world)]
     recv = torch.empty((world, b * s * d * sum(mine)), dtype=xs[0].dtype, device=xs[0].device)
-    _all_to_all(recv.view(-1), send.view(-1), [b * s * d * sum(mine)] * world, in_splits, group)
-    out, off = [], 0
-    for m in mine:  # recv[j] = source rank j's s tokens of my heads of every tensor
-        part = recv[:, off : off + b * s * m * d].reshape(world, b, s, m, d)
-        out.append(part.transpose(0, 1).reshape(b, world * s, m, d))
-        off += b * s * m * d
-    return out
+    work = _all_to_all(
+        recv.view(-1), send.view(-1), [b * s * d * sum(mine)] * world, in_splits, group, async_op
+    )
+
+    def finish() -> list[torch.Tensor]:
+        out, off = [], 0
+        for m in mine:  # recv[j] = source rank j's s tokens of my heads of every tensor
+            part = recv[:, off : off + b * s * m * d].reshape(world, b, s, m, d)
+            out.append(part.transpose(0, 1).reshape(b, world * s, m, d))
+            off += b * s * m * d
+        return out
+
+    return PendingAllToAll(work, finish, send, recv) if async_op else finish()
 
 
 def _head_to_seq_packed(
-    xs: Sequence[torch.Tensor], num_heads: Sequence[int], group: Group
-) -> list[torch.Tensor]:
+    xs: Sequence[torch.Tensor], num_heads: Sequence[int], group: Group, async_op: bool = False
+) -> Any:
     """Inverse of :func:`_seq_to_head_packed`: ``(b, P*s, h_x_r, d)`` per tensor -> ``(b, s, h_x, d)``."""
     rank, world = group_rank_size(group)
     b, seq, _, d = xs[0].shape
@@ -219,21 +226,25 @@ def _head_to_seq_packed(
         off += b * s * m * d
     out_splits = [b * s * d * sum(sp[j] for sp in splits) for j in range(world)]
     recv = torch.empty(sum(out_splits), dtype=xs[0].dtype, device=xs[0].device)
-    _all_to_all(recv, send.view(-1), out_splits, [b * s * d * sum(mine)] * world, group)
-    if all(h % world == 0 for h in num_heads):
-        rows, out, off = recv.view(world, -1), [], 0
-        for h, m in zip(num_heads, mine):
-            part = rows[:, off : off + b * s * m * d].reshape(world, b, s, m, d)
-            out.append(part.permute(1, 2, 0, 3, 4).reshape(b, s, h, d))
-            off += b * s * m * d
-        return out
-    per_rank = recv.split(out_splits)  # rank j's blocks of every tensor, in tensor order
-    pieces: list[list[torch.Tensor]] = [[] for _ in xs]
-    for j, chunk in enumerate(per_rank):
-        parts = chunk.split([b * s * sp[j] * d for sp in splits])
-        for t, (part, sp) in enumerate(zip(parts, splits)):
-            pieces[t].append(part.view(b, s, sp[j], d))
-    return [torch.cat(p, dim=2) for p in pieces]
+    work = _all_to_all(recv, send.view(-1), out_splits, [b * s * d * sum(mine)] * world, group, async_op)
+
+    def finish() -> list[torch.Tensor]:
+        if all(h % world == 0 for h in num_heads):
+            rows, out, off = recv.view(world, -1), [], 0
+            for h, m in zip(num_heads, mine):
+                part = rows[:, off : off + b * s * m * d].reshape(world, b, s, m, d)
+                out.append(part.permute(1, 2, 0, 3, 4).reshape(b, s, h, d))
+                off += b * s * m * d
+            return out
+        per_rank = recv.split(out_splits)  # rank j's blocks of every tensor, in tensor order
+        pieces: list[list[torch.Tensor]] = [[] for _ in xs]
+        for j, chunk in enumerate(per_rank):
+            parts = chunk.split([b * s * sp[j] * d for sp in splits])
+            for t, (part, sp) in enumerate(zip(parts, splits)):
+                pieces[t].append(part.view(b, s, sp[j], d))
+        return [torch.cat(p, dim=2) for p in pieces]
+
+    return PendingAllToAll(work, finish, send, recv) if async_op else finish()
 
 
 class _SeqToHead(torch.autograd.Function):
@@ -274,10 +285,7 @@ class _SeqToHeadPacked(torch.autograd.Function):
         return (None, *_head_to_seq_packed(full, ctx.num_heads, ctx.group))
 
 
-def seq_to_head_packed(*xs: torch.Tensor, group: Group = None) -> tuple[torch.Tensor, ...]:
-    """:func:`seq_to_head` of several ``(b, s, h_x, d)`` tensors (same b, s, d; heads may differ, e.g. q
-    and GQA k/v) in ONE all-to-all, forward and backward: ``(b, P*s, h_x_r, d)`` each. Tensors of
-    different dtypes (a buffer has one) go one by one instead."""
+def _check_packable(xs: Sequence[torch.Tensor]) -> None:
     for x in xs:
         if x.dim() != 4:
             raise ValueError(
@@ -290,11 +298,43 @@ def seq_to_head_packed(*xs: torch.Tensor, group: Group = None) -> tuple[torch.Te
                 f"seq_to_head_packed needs equal (batch, seq, head_dim): {tuple(first.shape)} vs {tuple(x.shape)}; "
                 "send them one by one with seq_to_head"
             )
-    if any(x.dtype != first.dtype for x in xs):  # autocast can leave q in fp32 and k/v in bf16
+
+
+def seq_to_head_packed(*xs: torch.Tensor, group: Group = None) -> tuple[torch.Tensor, ...]:
+    """:func:`seq_to_head` of several ``(b, s, h_x, d)`` tensors (same b, s, d; heads may differ, e.g. q
+    and GQA k/v) in ONE all-to-all, forward and backward: ``(b, P*s, h_x_r, d)`` each. Tensors of
+    different dtypes (a buffer has one) go one by one instead."""
+    _check_packable(xs)
+    if any(x.dtype != xs[0].dtype for x in xs):  # autocast can leave q in fp32 and k/v in bf16
         return tuple(seq_to_head(x, group) for x in xs)
     if group_rank_size(group)[1] == 1:
         return tuple(xs)
     return _SeqToHeadPacked.apply(group, *xs)
+
+
+def seq_to_head_packed_async(*xs: torch.Tensor, group: Group = None) -> PendingAllToAll:
+    """:func:`seq_to_head_packed` outside autograd, started in the background (FPDT's own backward):
+    ``.wait()`` gives the list of ``(b, P*s, h_x_r, d)``. Tensors of different dtypes go one by one."""
+    _check_packable(xs)
+    if group_rank_size(group)[1] == 1:
+        return PendingAllToAll.done(list(xs))
+    if any(x.dtype != xs[0].dtype for x in xs):
+        parts = [_seq_to_head(x, group, True) for x in xs]
+        return PendingAllToAll(None, lambda: [p.wait() for p in parts])
+    return _seq_to_head_packed(xs, group, async_op=True)
+
+
+def head_to_seq_packed_async(
+    xs: Sequence[torch.Tensor], num_heads: Sequence[int], group: Group = None
+) -> PendingAllToAll:
+    """The inverse of :func:`seq_to_head_packed_async`: ``(b, P*s, h_x_r, d)`` per tensor -> ``.wait()``
+    gives the list of ``(b, s, num_heads[x], d)``."""
+    if group_rank_size(group)[1] == 1:
+        return PendingAllToAll.done(list(xs))
+    if any(x.dtype != xs[0].dtype for x in xs):
+        parts = [_head_to_seq(x, n, group, True) for x, n in zip(xs, num_heads)]
+        return PendingAllToAll(None, lambda: [p.wait() for p in parts])
+    return _head_to_seq_packed(xs, num_heads, group, async_op=True)
 
 
 def seq_to_head_async(x: torch.Tensor, group: Group = None) -> PendingAllToAll:

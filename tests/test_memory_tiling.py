@@ -7,6 +7,7 @@ created — only chunk-sized ones — in forward or in backward.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,3 +95,38 @@ def test_fpdt_attention_never_builds_sequence_scores():
         fpdt_attention(q, k, v, chunk_size=c).sum().backward()
     assert mode.max_numel < b * h * n * n // 4, mode.max_numel
     assert (b, h, c, c) in mode.shapes and (b, h, n, n) not in mode.shapes
+
+
+@pytest.mark.parametrize(
+    "case",
+    [dict(packed=True), dict(sliding_window=300), dict(softcap=2.0), dict(sinks=True)],
+    ids=["packed_documents", "sliding_window", "softcap", "sinks"],
+)
+def test_ulysses_never_builds_an_n_by_n_mask_or_score_matrix(case):
+    """Ulysses ``backend="auto"`` without flash-attn: what SDPA could run only with a dense (N, N) mask, or
+    the math kernel only with (N, N) scores, runs as FPDT with one chunk per rank: tiles of at most
+    (1024, 1024). ``backend="sdpa"`` / ``"math"`` (asked for by name) still build them: the check bites."""
+    from lightning_longctx.attention.ulysses import ulysses_attention
+
+    b, n, h, d = 1, 4096, 2, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, h, d, generator=g, requires_grad=True) for _ in range(3))
+    kw: dict = {}
+    if case.get("packed"):
+        kw["position_ids"] = torch.cat([torch.arange(m) for m in (1500, 1000, 1596)])[None]
+    if "sliding_window" in case:
+        kw["sliding_window"] = case["sliding_window"]
+    if "softcap" in case:
+        kw["softcap"] = case["softcap"]
+    if case.get("sinks"):
+        kw["sinks"] = torch.randn(h, generator=g)
+    named = "math" if ("softcap" in case or "sinks" in case) else "sdpa"
+    outs = {}
+    for backend in ("auto", named):
+        with LargestTensor() as mode:
+            out = ulysses_attention(q, k, v, backend=backend, **kw)
+            out.sum().backward()
+        outs[backend] = (mode.max_numel, out.detach())
+    assert outs["auto"][0] <= b * h * 1024 * 1024, outs["auto"][0]
+    assert outs[named][0] >= n * n  # the dense path does build one
+    torch.testing.assert_close(outs["auto"][1], outs[named][1], rtol=1e-5, atol=1e-5)

@@ -157,6 +157,45 @@ def test_packed_all_to_all_matches_one_by_one(dist_pool, world):
         assert res["fwd"] == 0 and res["bwd"] == 0 and res["v_grad_zero"], res
 
 
+def _packed_async_matches_one_by_one() -> dict:
+    """The background packed all-to-alls FPDT uses: seq_to_head_packed_async == seq_to_head_async of each,
+    head_to_seq_packed_async == head_to_seq_async of each (uneven heads, GQA; mixed dtypes go one by one),
+    bitwise, in one all-to-all where the dtypes agree."""
+    from lightning_longctx.comm import (
+        count_all_to_all,
+        head_to_seq_async,
+        head_to_seq_packed_async,
+        seq_to_head_async,
+        seq_to_head_packed_async,
+    )
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    same = [torch.randn(1, 3, h, 4, generator=g, dtype=torch.float64) for h in (6, 3, 3)]
+    mixed = [same[0].float(), same[1], same[2]]
+    out = {}
+    for name, xs in (("same", same), ("mixed", mixed)):
+        with count_all_to_all() as count:
+            packed = seq_to_head_packed_async(*xs).wait()
+        single = [seq_to_head_async(x).wait() for x in xs]
+        back = head_to_seq_packed_async(packed, [x.shape[2] for x in xs]).wait()
+        out[name] = {
+            "to_heads": all(torch.equal(p, s) for p, s in zip(packed, single)),
+            "back": all(torch.equal(b, x) for b, x in zip(back, xs)),
+            "single_back": all(
+                torch.equal(head_to_seq_async(s, x.shape[2]).wait(), x) for s, x in zip(single, xs)
+            ),
+            "calls": count.calls,
+        }
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_packed_async_all_to_all_matches_one_by_one(dist_pool, world):
+    for res in dist_pool(world).run(_packed_async_matches_one_by_one):
+        for name, calls in (("same", 1), ("mixed", 3)):
+            assert res[name] == {"to_heads": True, "back": True, "single_back": True, "calls": calls}, res
+
+
 def _docs_once_per_batch() -> dict:
     """Four "layers" share one position_ids tensor (HF passes the same one, or views of it): one
     all_gather in all; an in-place edit of the positions, or a new tensor, gathers again; results exact."""

@@ -5,7 +5,8 @@ tokens and rank r of the P ranks holds chunks ``r, r+P, r+2P, ...``, i.e. ``u = 
 chunks. The all-to-all of local chunk i gives every rank the contiguous GLOBAL segment i
 (``S = P*c`` tokens starting at ``i*S``) with its block of heads.
 
-Forward, per segment i: all-to-all q_i; attend to the kv segments j ≤ i (all j when not causal) one
+Forward, per segment i: all-to-all q_i (causal, no offload: q_i, k_i, v_i in ONE packed all-to-all;
+otherwise k_j, v_j together and q_i alone); attend to the kv segments j ≤ i (all j when not causal) one
 block at a time, merging block results with an fp32 online softmax on the log-sum-exp; all-to-all the
 output back to local chunk i. Only q, k, v, out (head layout) and lse are kept per segment — no
 scores, no probabilities — on the device or, with ``offload=True``, in host memory with the next kv
@@ -14,7 +15,8 @@ chunk prefetched on a side stream while the current block computes.
 Backward: outer loop over kv segments j, inner over q segments i it reaches (i ≥ j when causal);
 each block is recomputed from the row's saved FINAL (out, lse); dk/dv/dq accumulate in fp32 in fresh
 buffers (never in-place into saved tensors). A gradient leaves through the inverse all-to-all as soon
-as it is final.
+as it is final (dk_j and dv_j in one all-to-all): 5u all-to-alls per causal layer and step, Ulysses'
+bytes.
 
 Kernels (``BlockPlan.units``): with a fused kernel (``fused.py``: the CPU flash op, CUDA flash /
 memory-efficient / flash-attn, whichever passed its probe) a block that only the causal diagonal
@@ -68,7 +70,9 @@ from lightning_longctx.comm import (
     PendingAllToAll,
     group_rank_size,
     head_to_seq_async,
+    head_to_seq_packed_async,
     seq_to_head_async,
+    seq_to_head_packed_async,
 )
 from lightning_longctx.sharding import gather_sequence
 
@@ -248,6 +252,11 @@ def _to_heads(x: torch.Tensor, cfg: _Config) -> PendingAllToAll:
     return seq_to_head_async(x, cfg.group)
 
 
+def _to_heads_packed(*xs: torch.Tensor, cfg: _Config) -> PendingAllToAll:
+    """:func:`_to_heads` of several chunks (q, k, v of one segment) in ONE all-to-all; ``.wait()`` -> list."""
+    return seq_to_head_packed_async(*xs, group=cfg.group)
+
+
 def _to_seq(x: torch.Tensor, num_heads: int, cfg: _Config) -> PendingAllToAll:
     """(b, P*c, h_r, d) -> (b, c, num_heads, d); inverse of :func:`_to_heads`."""
     return head_to_seq_async(x, num_heads, cfg.group)
@@ -336,28 +345,37 @@ class _FPDTAttention(torch.autograd.Function):
         store = ChunkStore(offload=cfg.offload, device=q.device)
 
         # All-to-alls in the order they are needed, started `ahead` segments early (overlap) or
-        # just in time. Causal: segment i needs kv segments j <= i; otherwise every kv segment first.
-        pend_kv: dict[int, tuple[PendingAllToAll, PendingAllToAll]] = {}
+        # just in time. Causal: segment i needs kv segments j <= i, so q, k, v of a segment travel in ONE
+        # all-to-all; otherwise every kv segment first (k and v together), then each q. With offload q
+        # travels alone: for batch 1 the received tensors are views of one buffer, and q's would keep
+        # the offloaded k and v on the device.
+        pend_kv: dict[int, PendingAllToAll] = {}  # .wait() -> [k_j, v_j] or [q_j, k_j, v_j]
         pend_q: dict[int, PendingAllToAll] = {}
+        pack_q = plan.causal and not cfg.offload
         launched = 0
 
+        def chunk_of(x: torch.Tensor, j: int) -> torch.Tensor:
+            return x[:, j * c : (j + 1) * c]
+
         def launch_kv(j: int) -> None:
-            pend_kv[j] = (
-                _to_heads(k[:, j * c : (j + 1) * c], cfg),
-                _to_heads(v[:, j * c : (j + 1) * c], cfg),
-            )
+            pend_kv[j] = _to_heads_packed(chunk_of(k, j), chunk_of(v, j), cfg=cfg)
 
         def take_kv(j: int) -> None:
-            kp, vp = pend_kv.pop(j)
-            store.put(("k", j), kp.wait())  # (b, S, h_kv_r, d)
-            store.put(("v", j), vp.wait())
+            k_j, v_j = pend_kv.pop(j).wait()[-2:]
+            store.put(("k", j), k_j)  # (b, S, h_kv_r, d)
+            store.put(("v", j), v_j)
 
         def launch_upto(n: int) -> None:
             nonlocal launched
             for i in range(launched, min(n, u)):
+                if pack_q:
+                    pend_q[i] = pend_kv[i] = _to_heads_packed(
+                        chunk_of(q, i), chunk_of(k, i), chunk_of(v, i), cfg=cfg
+                    )
+                    continue
                 if plan.causal:
                     launch_kv(i)
-                pend_q[i] = _to_heads(q[:, i * c : (i + 1) * c], cfg)
+                pend_q[i] = _to_heads(chunk_of(q, i), cfg)
             launched = max(launched, min(n, u))
 
         ahead = 1 if cfg.overlap else 0
@@ -376,6 +394,8 @@ class _FPDTAttention(torch.autograd.Function):
             if plan.causal:
                 take_kv(i)
             q_i = pend_q.pop(i).wait()  # (b, S, h_r, d): segment i, my heads
+            if pack_q:
+                q_i = q_i[0]  # [q_i, k_i, v_i] of one packed all-to-all
             launch_upto(i + 1 + ahead)  # the next segment travels while this one computes
             store.put(("q", i), q_i)
             acc = _SegmentAcc(S)
@@ -459,8 +479,7 @@ class _FPDTAttention(torch.autograd.Function):
         last_col = [max(plan.cols(i)) for i in range(u)]  # dq_i is final after this kv segment
         dq_acc: list[torch.Tensor | None] = [None] * u
         dq_parts: list[Any] = [None] * u
-        dk_parts: list[Any] = []
-        dv_parts: list[Any] = []
+        dkv_parts: list[PendingAllToAll] = []  # .wait() -> [dk_j, dv_j]: one all-to-all per kv segment
         in_flight: list[PendingAllToAll] = []
         for j in range(u):
             k_j, v_j = next(stream)
@@ -508,9 +527,11 @@ class _FPDTAttention(torch.autograd.Function):
             assert dk_acc is not None and dv_acc is not None  # the diagonal block is always live
             for pending in in_flight:  # the previous segment's gradients travelled during this one
                 pending.wait()
-            in_flight = [_to_seq(dk_acc.to(kv_dtype), h_kv, cfg), _to_seq(dv_acc.to(kv_dtype), h_kv, cfg)]
-            dk_parts.append(in_flight[0])  # backward of seq_to_head
-            dv_parts.append(in_flight[1])
+            dkv = head_to_seq_packed_async(
+                [dk_acc.to(kv_dtype), dv_acc.to(kv_dtype)], [h_kv, h_kv], cfg.group
+            )
+            dkv_parts.append(dkv)  # backward of the packed seq_to_head
+            in_flight = [dkv]
             for i in range(u):
                 if last_col[i] == j:
                     acc_i = dq_acc[i]
@@ -529,8 +550,8 @@ class _FPDTAttention(torch.autograd.Function):
         dsinks = None if dsink is None or sinks is None else dsink.to(sinks.dtype)
         return (
             torch.cat([p.wait() for p in dq_parts], dim=1),
-            torch.cat([p.wait() for p in dk_parts], dim=1),
-            torch.cat([p.wait() for p in dv_parts], dim=1),
+            torch.cat([p.wait()[0] for p in dkv_parts], dim=1),
+            torch.cat([p.wait()[1] for p in dkv_parts], dim=1),
             dsinks,
             None,
         )

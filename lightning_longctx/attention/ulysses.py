@@ -5,6 +5,12 @@ Each of the P ranks of ``group`` holds a contiguous 1/P of the sequence. One all
 included) into "all tokens, my heads", the local kernel attends over the whole sequence, and a
 second all-to-all turns the result back: two collectives forward, two backward. Packed documents:
 the position ids are gathered once per batch (``common.global_docs``), not once per layer.
+
+No ``(N, N)`` mask or score matrix: with ``backend="auto"`` and no flash-attn (which takes packed
+documents and windows natively), a call that SDPA could only run with a dense ``(N, N)`` boolean mask
+(packed documents, a sliding window) or that needs the math kernel's full ``(N, N)`` scores (soft-cap,
+sinks) runs as FPDT with one chunk per rank instead: the same contiguous layout, the same
+all-to-all, and FPDT's blocks, whose masks and score tiles are at most ``(1024, 1024)``.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from lightning_longctx.attention.common import (
     local_heads,
     spread_kv_heads,
 )
-from lightning_longctx.attention.kernels import resolve_backend
+from lightning_longctx.attention.fpdt import fpdt_attention
+from lightning_longctx.attention.kernels import KERNELS, resolve_backend
 from lightning_longctx.comm import Group, all_gather_no_grad, group_rank_size, head_to_seq, seq_to_head_packed
 
 
@@ -76,9 +83,13 @@ def ulysses_attention(
     check_sinks(sinks, q)
     _, world = group_rank_size(group)
     kernel = resolve_backend(backend, softcap=softcap, sinks=sinks is not None)
+    mask = global_mask(position_ids, causal=causal, sliding_window=sliding_window, group=group)
+    dense = mask.q_doc is not None or sliding_window is not None or softcap or sinks is not None
+    if backend == "auto" and kernel is not KERNELS["flash"] and dense:  # the same on every rank (global docs)
+        return fpdt_attention(q, k, v, group=group, chunk_size=q.shape[1], causal=causal, softmax_scale=softmax_scale,
+                              position_ids=position_ids, sliding_window=sliding_window, softcap=softcap, sinks=sinks)  # fmt: skip
     h = q.shape[2]
     k, v = spread_kv_heads(k, v, h, world)
-    mask = global_mask(position_ids, causal=causal, sliding_window=sliding_window, group=group)
     # ONE all-to-all for q, k and v: (b, s, h_r, d) each, all tokens, my heads
     q_h, k_h, v_h = seq_to_head_packed(q, k, v, group=group)
     extra = {} if sinks is None else {"sinks": sinks[local_heads(h, group)]}  # (h_r,): my heads' sinks
