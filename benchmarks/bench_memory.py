@@ -42,7 +42,8 @@ import common
 from common import GIB, MIB
 
 MODES = ("single", *common.STRATEGY_MODES)
-DEFAULT_MODES = ("single", "ulysses", "fpdt", "fpdt_offload")
+#: the memory ladder (issue 15): what each way of training reaches within the budget
+DEFAULT_MODES = ("single", "ulysses", "fpdt", "fpdt_ckpt", "fpdt_act_offload")
 HERE = Path(__file__).resolve().parent
 #: settings that must agree between merged runs (everything that changes what a point measures)
 SAME_SETTINGS = ("world_size", "chunk_size", "device", "precision", "threads", "vocab", "hidden", "intermediate",
@@ -293,17 +294,19 @@ def print_report(args: argparse.Namespace, rows: list[dict], summary: dict[str, 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
-    p.add_argument("--seq-lens", nargs="+", type=int, default=[2048, 4096, 8192, 16384])
+    p.add_argument(
+        "--seq-lens", nargs="+", type=int, default=[1024 << k for k in range(7)], help="default: 1K..64K"
+    )
     p.add_argument("--world-size", type=int, default=2, help="P of the sequence-parallel modes")
-    p.add_argument("--chunk-size", type=int, default=1024, help="FPDT tokens per chunk per rank")
-    p.add_argument("--budget-gib", type=float, default=2.0, help="step memory budget per rank")
+    p.add_argument("--chunk-size", type=int, default=2048, help="FPDT tokens per chunk per rank")
+    p.add_argument("--budget-gib", type=float, default=1.0, help="step memory budget per rank")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--precision", default="32-true")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    common.add_model_args(p, vocab=32000, hidden=256, intermediate=688, layers=2, heads=4)
+    common.add_model_args(p, vocab=32000, hidden=128, intermediate=344, layers=2, heads=4)
     p.add_argument("--ram-fraction", type=float, default=0.7, help="skip points predicted above this share "
                    "of MemAvailable (of GPU memory with --device cuda)")  # fmt: skip
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per point")
+    p.add_argument("--timeout", type=float, default=1500.0, help="seconds per point")
     common.add_malloc_threshold_arg(p)
     p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
                    help="earlier outputs of this script (same model and settings): their measured points are "
