@@ -66,10 +66,6 @@ class OffloadedCheckpoint:
         self._last = weakref.ref(held)
         return held
 
-    @staticmethod
-    def _unpack(held: _HostCopy) -> torch.Tensor:
-        return held.fetch()
-
     def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("use_reentrant"):
             raise ValueError(
@@ -77,5 +73,5 @@ class OffloadedCheckpoint:
                 "variant does not save its inputs as saved tensors, so they could not be offloaded"
             )
         kwargs["use_reentrant"] = False
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _HostCopy.fetch):
             return checkpoint(function, *args, **kwargs)

@@ -67,13 +67,13 @@ def ulysses_attention(
             attention never crosses documents. ``None``: one document.
         sliding_window: attend only to the last ``sliding_window`` tokens (incl. itself), as HF.
         softcap: ``c > 0``: scores become ``c * tanh(scores / c)`` before the mask (Gemma-2); needs a
-            kernel that applies it ("auto" picks one: flash or math).
+            kernel that applies it ("auto": flash, else FPDT's blocks; "math" by name).
         sinks: ``(h,)`` attention sinks (gpt-oss ``s_aux``), one learned logit per GLOBAL query head in
             the softmax denominator with no value attached; any float dtype, on q's device, the same
             tensor on every rank. Each rank uses (and gives a gradient to) the heads it owns after the
             all-to-all, so ``sinks.grad`` is ``(h,)`` with zeros outside them; summed over the group
-            (as the strategy does for parameters) it is the exact gradient. Needs the math kernel
-            ("auto" picks it; "sdpa" and "flash" raise).
+            (as the strategy does for parameters) it is the exact gradient. "auto" runs them on FPDT's
+            blocks, "math" on the math kernel; "sdpa" and "flash" raise.
 
     Returns:
         ``(b, s/P, h, d)``, equal to full attention over the gathered sequence.
