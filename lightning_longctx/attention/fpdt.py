@@ -5,8 +5,8 @@ tokens and rank r of the P ranks holds chunks ``r, r+P, r+2P, ...``, i.e. ``u = 
 chunks. The all-to-all of local chunk i gives every rank the contiguous GLOBAL segment i
 (``S = P*c`` tokens starting at ``i*S``) with its block of heads.
 
-Forward, per segment i: all-to-all q_i (causal, no offload: q_i, k_i, v_i in ONE packed all-to-all;
-otherwise k_j, v_j together and q_i alone); attend to the kv segments j ≤ i (all j when not causal) one
+Forward, per segment i: all-to-all q_i (causal: q_i, k_i, v_i in ONE packed all-to-all; otherwise
+k_j, v_j together and q_i alone); attend to the kv segments j ≤ i (all j when not causal) one
 block at a time, merging block results with an fp32 online softmax on the log-sum-exp; all-to-all the
 output back to local chunk i. Only q, k, v, out (head layout) and lse are kept per segment — no
 scores, no probabilities — on the device or, with ``offload=True``, in host memory with the next kv
@@ -346,12 +346,10 @@ class _FPDTAttention(torch.autograd.Function):
 
         # All-to-alls in the order they are needed, started `ahead` segments early (overlap) or
         # just in time. Causal: segment i needs kv segments j <= i, so q, k, v of a segment travel in ONE
-        # all-to-all; otherwise every kv segment first (k and v together), then each q. With offload q
-        # travels alone: for batch 1 the received tensors are views of one buffer, and q's would keep
-        # the offloaded k and v on the device.
+        # all-to-all; otherwise every kv segment first (k and v together), then each q. (A packed receive
+        # is copied out per tensor: q_i does not keep k_i and v_i alive once they are offloaded.)
         pend_kv: dict[int, PendingAllToAll] = {}  # .wait() -> [k_j, v_j] or [q_j, k_j, v_j]
         pend_q: dict[int, PendingAllToAll] = {}
-        pack_q = plan.causal and not cfg.offload
         launched = 0
 
         def chunk_of(x: torch.Tensor, j: int) -> torch.Tensor:
@@ -368,14 +366,12 @@ class _FPDTAttention(torch.autograd.Function):
         def launch_upto(n: int) -> None:
             nonlocal launched
             for i in range(launched, min(n, u)):
-                if pack_q:
+                if plan.causal:
                     pend_q[i] = pend_kv[i] = _to_heads_packed(
                         chunk_of(q, i), chunk_of(k, i), chunk_of(v, i), cfg=cfg
                     )
-                    continue
-                if plan.causal:
-                    launch_kv(i)
-                pend_q[i] = _to_heads(chunk_of(q, i), cfg)
+                else:
+                    pend_q[i] = _to_heads(chunk_of(q, i), cfg)
             launched = max(launched, min(n, u))
 
         ahead = 1 if cfg.overlap else 0
@@ -394,7 +390,7 @@ class _FPDTAttention(torch.autograd.Function):
             if plan.causal:
                 take_kv(i)
             q_i = pend_q.pop(i).wait()  # (b, S, h_r, d): segment i, my heads
-            if pack_q:
+            if plan.causal:
                 q_i = q_i[0]  # [q_i, k_i, v_i] of one packed all-to-all
             launch_upto(i + 1 + ahead)  # the next segment travels while this one computes
             store.put(("q", i), q_i)
