@@ -6,7 +6,10 @@ With ``offload=False`` they stay on the device and the autograd Function saves t
 and fetched back shortly before it is used:
 
 * CUDA: device -> pinned host on a side stream (``record_stream`` keeps the source alive until the
-  copy ran), host -> device on the same side stream, the consumer's stream waits on an event.
+  copy ran), host -> device on the same side stream, the consumer's stream waits on an event. The
+  pinned buffers come from torch's caching host allocator, which is the buffer pool: a released
+  store's blocks are reused by the next chunks and steps, and the event it records for each async
+  copy keeps a block from reuse until its copy finished (no ``cudaHostAlloc`` / free per chunk).
 * CPU: the "host copy" is a plain synchronous ``clone`` — the same code path, so the CPU tests
   exercise it, and results are bit-identical with offload on and off (copies are exact).
 
