@@ -21,6 +21,7 @@ import hashlib
 import inspect
 import textwrap
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -193,6 +194,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
         self._fsdp: FSDP2Sharding | None = None
         self._token_mean: TokenMeanWindow | None = None
         self._contexts: list[SequenceParallelContext] = []
+        self._undo: list[Callable[[], None]] = []  # what teardown calls to restore the models' checkpointing
         self._batches_sharded = 0
         self._verified = False
         self._checked_batch = False
@@ -310,12 +312,15 @@ class UlyssesFPDTStrategy(DDPStrategy):
                 loss_chunk_size=cfg.loss_chunk_size,
             )
             if cfg.activation_checkpointing or cfg.activation_offload:
-                enable_activation_checkpointing(module, offload=cfg.activation_offload)
+                self._undo.append(enable_activation_checkpointing(module, offload=cfg.activation_offload))
             self._contexts.append(context_of(module))
 
     @override
     def teardown(self) -> None:
-        # The models leave the strategy as they came: plain attention, loss and forward again.
+        # The models leave the strategy as they came: plain attention, loss, forward and checkpointing again.
+        for undo in self._undo:
+            undo()
+        self._undo.clear()
         for module in self.lightning_module.modules() if self.lightning_module is not None else ():
             if isinstance(module, PreTrainedModel):
                 disable_sequence_parallel(module)

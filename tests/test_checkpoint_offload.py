@@ -109,3 +109,26 @@ def test_reentrant_checkpointing_and_bad_settings_are_refused():
         OffloadedCheckpoint()(torch.tanh, x, use_reentrant=True)
     with pytest.raises(ValueError, match=r"activation_offload='yes': use True or False"):
         UlyssesFPDTStrategy(activation_offload="yes")
+
+
+def test_enable_returns_an_undo_that_restores_the_model_as_it_came():
+    """The strategy undoes what it enabled at teardown: plain model -> no checkpointing, no input-grad hook;
+    a model that checkpointed already (CausalLM's flag) -> its own checkpoint function back."""
+
+    def state(model: torch.nn.Module) -> list:
+        flags = [(m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func")) for m in model.modules()
+                 if hasattr(m, "gradient_checkpointing")]  # fmt: skip
+        return [*flags, bool(getattr(model, "_require_grads_hooks", None))]
+
+    model = tiny_model("llama")
+    plain = state(model)
+    undo = enable_activation_checkpointing(model, offload=True)
+    assert any(flag for flag, _ in state(model)[:-1]) and state(model) != plain
+    undo()
+    assert state(model) == plain and not any(flag for flag, _ in state(model)[:-1])
+    enable_activation_checkpointing(model)  # the model's own checkpointing
+    own = state(model)
+    undo = enable_activation_checkpointing(model, offload=True)
+    assert any(isinstance(fn, OffloadedCheckpoint) for _, fn in state(model)[:-1])
+    undo()
+    assert state(model) == own

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import inspect
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,12 +288,36 @@ def _routes_tokens(mlp: nn.Module, model: nn.Module) -> bool:
     )
 
 
-def enable_activation_checkpointing(model: nn.Module, *, offload: bool = False) -> None:
+def _input_grads_hooked(model: nn.Module) -> bool:
+    """Whether transformers' ``enable_input_require_grads`` hook is on (its attribute was renamed in 5.x)."""
+    return bool(getattr(model, "_require_grads_hooks", None) or getattr(model, "_require_grads_hook", None))
+
+
+def enable_activation_checkpointing(model: nn.Module, *, offload: bool = False) -> Callable[[], None]:
     """Non-reentrant checkpointing of the decoder layers (the method was renamed in transformers 5.x).
 
     ``offload=True``: each layer's checkpointed input waits in pinned host memory until its recompute
     and is prefetched back on a side stream (:class:`~lightning_longctx.checkpoint_offload.OffloadedCheckpoint`).
+    Returns a function that puts the model's checkpointing back as it was (flags, checkpoint functions,
+    the input-embedding hook transformers adds); the strategy calls it at teardown.
     """
+    before = [
+        (m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func", _UNSET))
+        for m in model.modules()
+        if hasattr(m, "gradient_checkpointing")
+    ]
+    hooked = _input_grads_hooked(model)
+
+    def restore() -> None:
+        for module, flag, fn in before:
+            module.gradient_checkpointing = flag
+            if fn is _UNSET:
+                module.__dict__.pop("_gradient_checkpointing_func", None)
+            else:
+                module._gradient_checkpointing_func = fn
+        if not hooked and _input_grads_hooked(model):
+            model.disable_input_require_grads()
+
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -307,6 +332,7 @@ def enable_activation_checkpointing(model: nn.Module, *, offload: bool = False) 
         for module in model.modules():
             if getattr(module, "gradient_checkpointing", False):
                 module._gradient_checkpointing_func = checkpoint_fn
+    return restore
 
 
 def enable_sequence_parallel(
