@@ -196,6 +196,44 @@ def test_packed_async_all_to_all_matches_one_by_one(dist_pool, world):
             assert res[name] == {"to_heads": True, "back": True, "single_back": True, "calls": calls}, res
 
 
+def _routed_docs_gathered_once() -> dict:
+    """Ulysses ``backend="auto"`` with packed documents runs on FPDT's blocks: its mask and FPDT's share one
+    memo entry, so three layers on one position_ids tensor gather the positions once in all."""
+    import lightning_longctx.attention.fpdt as fpdt
+    import lightning_longctx.attention.ulysses as uly
+
+    b, n, h, d = 1, 16, 4, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, h, d, generator=g, dtype=torch.float64) for _ in range(3))
+    pos = packed_positions(b, n, [5, 11])
+    calls = [0]
+    originals = (uly.all_gather_no_grad, fpdt.gather_sequence)
+
+    def counting(fn):
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    uly.all_gather_no_grad, fpdt.gather_sequence = (counting(fn) for fn in originals)
+    try:
+        local, errs = shard_sequence(pos), []
+        ref = reference_attention(q, k, v, position_ids=pos)
+        for _ in range(3):
+            out = ulysses_attention(*(shard_sequence(x) for x in (q, k, v)), position_ids=local.expand(b, -1))
+            errs.append((gather_sequence(out) - ref).abs().max().item())
+        return {"gathers": calls[0], "err": max(errs)}
+    finally:
+        uly.all_gather_no_grad, fpdt.gather_sequence = originals
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_routed_packed_docs_gather_positions_once(dist_pool, world):
+    for res in dist_pool(world).run(_routed_docs_gathered_once):
+        assert res["gathers"] == 1 and res["err"] < 1e-12, res
+
+
 def _docs_once_per_batch() -> dict:
     """Four "layers" share one position_ids tensor (HF passes the same one, or views of it): one
     all_gather in all; an in-place edit of the positions, or a new tensor, gathers again; results exact."""

@@ -564,11 +564,13 @@ def _global_docs(
             f"position_ids shape {tuple(position_ids.shape)} must be (batch, local seq) = {shape}, in the FPDT "
             "layout of shard_batch(..., chunk_size=chunk_size)"
         )
-    # one all_gather per batch (remembered per position_ids tensor), not one per layer
+    # one all_gather per batch (remembered per position_ids tensor), not one per layer. One chunk per rank IS
+    # the contiguous layout: the same memo entry as Ulysses' (the memo keeps one entry per tensor, so two
+    # layout keys for one tensor would evict each other and gather twice per layer)
     return global_docs(
         position_ids,
         group=group,
-        layout=chunk_size,
+        layout=None if chunk_size == shape[1] else chunk_size,
         gather=lambda p: gather_sequence(p, group=group, chunk_size=chunk_size),  # (b, N), global order
     )
 
