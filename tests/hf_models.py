@@ -53,6 +53,17 @@ def tiny_model(arch: str = "llama", seed: int = 0, **kw) -> torch.nn.Module:
     return model_cls(tiny_config(arch, **kw)).float()
 
 
+def checkpointing_state(model: torch.nn.Module) -> list:
+    """Every checkpointing flag and function of the model, and whether transformers' input-grad hooks are on:
+    what the strategy must hand back unchanged."""
+    flags = [
+        (name, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func"))
+        for name, m in model.named_modules()
+        if hasattr(m, "gradient_checkpointing")
+    ]
+    return [*flags, bool(getattr(model, "_require_grads_hooks", None))]
+
+
 class TokenDataset(Dataset):
     """Deterministic random token sequences with HF-style (unshifted) labels; some targets ignored."""
 

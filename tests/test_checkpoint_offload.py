@@ -17,7 +17,7 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from hf_models import tiny_model
+from hf_models import checkpointing_state, tiny_model
 
 from lightning_longctx import UlyssesFPDTStrategy, enable_sequence_parallel, shard_batch
 from lightning_longctx.attention.offload import offloaded_bytes, track_offload_residency
@@ -115,20 +115,17 @@ def test_enable_returns_an_undo_that_restores_the_model_as_it_came():
     """The strategy undoes what it enabled at teardown: plain model -> no checkpointing, no input-grad hook;
     a model that checkpointed already (CausalLM's flag) -> its own checkpoint function back."""
 
-    def state(model: torch.nn.Module) -> list:
-        flags = [(m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func")) for m in model.modules()
-                 if hasattr(m, "gradient_checkpointing")]  # fmt: skip
-        return [*flags, bool(getattr(model, "_require_grads_hooks", None))]
-
     model = tiny_model("llama")
-    plain = state(model)
+    plain = checkpointing_state(model)
     undo = enable_activation_checkpointing(model, offload=True)
-    assert any(flag for flag, _ in state(model)[:-1]) and state(model) != plain
+    assert any(flag for _, flag, _ in checkpointing_state(model)[:-1]) and checkpointing_state(model) != plain
     undo()
-    assert state(model) == plain and not any(flag for flag, _ in state(model)[:-1])
+    assert checkpointing_state(model) == plain and not any(
+        flag for _, flag, _ in checkpointing_state(model)[:-1]
+    )
     enable_activation_checkpointing(model)  # the model's own checkpointing
-    own = state(model)
+    own = checkpointing_state(model)
     undo = enable_activation_checkpointing(model, offload=True)
-    assert any(isinstance(fn, OffloadedCheckpoint) for _, fn in state(model)[:-1])
+    assert any(isinstance(fn, OffloadedCheckpoint) for _, _, fn in checkpointing_state(model)[:-1])
     undo()
-    assert state(model) == own
+    assert checkpointing_state(model) == own

@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from hf_models import HFModule, TokenDataset, reference_training, tiny_model
+from hf_models import HFModule, TokenDataset, checkpointing_state, reference_training, tiny_model
 
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.integrations.transformers import context_of
@@ -22,16 +22,6 @@ def _env_for_lightning() -> None:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
-
-
-def _checkpointing_state(model: torch.nn.Module) -> list:
-    """Every checkpointing flag and function of the model, and transformers' input-grad hooks."""
-    flags = [
-        (name, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func"))
-        for name, m in model.named_modules()
-        if hasattr(m, "gradient_checkpointing")
-    ]
-    return [*flags, bool(getattr(model, "_require_grads_hooks", None))]
 
 
 def _fit(
@@ -59,10 +49,10 @@ def _fit(
         enable_model_summary=False,
         **(trainer_kwargs or {}),
     )
-    checkpointing = _checkpointing_state(module.model)
+    checkpointing = checkpointing_state(module.model)
     trainer.fit(module)
     assert context_of(module.model) is None, "the strategy must hand the model back plain after fit"
-    assert _checkpointing_state(module.model) == checkpointing, "checkpointing must be as it came, too"
+    assert checkpointing_state(module.model) == checkpointing, "checkpointing must be as it came, too"
     # through the strategy: full tensors also when the parameters are FSDP2-sharded (a collective)
     state = {k.removeprefix("model."): v for k, v in trainer.strategy.lightning_module_state_dict().items()}
     return state, module.losses, trainer.strategy.sp_size
