@@ -30,7 +30,6 @@ point, over that point's (the FPDT paper's 16x claim: <= 1 means 16x longer in n
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -69,23 +68,18 @@ def _point(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from lightning_longctx.attention.offload import offloaded_bytes
-    from lightning_longctx.callbacks.memory import host_rss_bytes
 
     cuda = args.device == "cuda"
-    trim = common.malloc_trim()
 
     class StepMemory(L.Callback):
         """Baseline right before the step, peak right after it (the SGD step included)."""
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            gc.collect()
-            if trim is not None:
-                trim(0)
+            self.rss_base = common.live_rss_bytes()
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 self.dev_base = torch.cuda.memory_allocated()
-            self.rss_base = host_rss_bytes()
             _reset_hwm()
             self.t0 = time.perf_counter()
 

@@ -27,7 +27,6 @@ Error = planned / measured - 1. Commands and results: ``benchmarks/README.md``.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -83,27 +82,17 @@ def _point(args: argparse.Namespace, point: dict[str, Any]) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     from lightning_longctx import UlyssesFPDTStrategy
-    from lightning_longctx.callbacks.memory import host_rss_bytes
     from lightning_longctx.models import CausalLM
-
-    trim = common.malloc_trim()
-
-    def live_rss() -> int:
-        """RSS after returning freed heap pages to the kernel: what is live, not what glibc kept."""
-        gc.collect()
-        if trim is not None:
-            trim(0)
-        return host_rss_bytes()
 
     class StepMemory(L.Callback):
         """RSS before the model exists (setup), and around step ``args.measure_step``."""
 
         def setup(self, trainer, pl_module, stage) -> None:
-            self.rss_setup = live_rss()
+            self.rss_setup = common.live_rss_bytes()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if batch_idx == args.measure_step:
-                self.rss_base = live_rss()
+                self.rss_base = common.live_rss_bytes()
                 _reset_hwm()
                 self.t0 = time.perf_counter()
 

@@ -244,6 +244,20 @@ def malloc_trim() -> Any:
         return None
 
 
+def live_rss_bytes() -> int:
+    """This process's RSS after ``gc.collect()`` and ``malloc_trim(0)``: what is live, not the freed heap
+    glibc kept (``host_rss_bytes`` of ``lightning_longctx.callbacks.memory``)."""
+    import gc
+
+    from lightning_longctx.callbacks.memory import host_rss_bytes
+
+    gc.collect()
+    trim = malloc_trim()
+    if trim is not None:
+        trim(0)
+    return host_rss_bytes()
+
+
 def add_malloc_threshold_arg(p: Any) -> None:
     """``--malloc-mmap-threshold``: glibc's ``MALLOC_MMAP_THRESHOLD_`` for the ranks (see :func:`use_malloc_threshold`)."""
     p.add_argument("--malloc-mmap-threshold", type=int, default=1 << 18,
