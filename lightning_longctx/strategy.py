@@ -17,6 +17,7 @@ and checkpoints stay plain full state dicts that load into the unpatched HF mode
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import inspect
 import textwrap
@@ -160,6 +161,49 @@ def _config_arguments(config_cls: type) -> Any:
 
 
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(SequenceParallelConfig))
+#: ``DDPStrategy``'s own keywords that configure DDP (FSDP reads none of them).
+_DDP_STRATEGY_ONLY = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+#: ``DistributedDataParallel`` arguments the strategy sets itself: the reduction spans all dp x sp ranks.
+_SET_BY_STRATEGY = ("module", "device_ids", "output_device", "process_group", "device_mesh")
+
+
+def _is_default(value: Any, param: inspect.Parameter) -> bool:
+    try:
+        return value is param.default or bool(value == param.default)
+    except Exception:  # a value without a plain ==
+        return False
+
+
+def _check_keywords(kwargs: dict[str, Any], data_parallel: str) -> None:
+    """Refuse keywords that nothing would read (a typo, a setting of another strategy) and DDP's keywords
+    under ``data_parallel="fsdp"``: silently dropped, they would leave the user believing a feature is on.
+    What ``DDPStrategy`` reads: its named arguments, and the rest as ``DistributedDataParallel``'s. A DDP
+    keyword at its default changes nothing and passes (LightningCLI gives every one of them)."""
+    strategy = dict(inspect.signature(DDPStrategy.__init__).parameters)
+    ddp = dict(inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters)
+    for own in ("self", "kwargs"):
+        strategy.pop(own)
+        ddp.pop(own, None)
+    ddp["gradient_as_bucket_view"] = ddp["gradient_as_bucket_view"].replace(default=True)  # our default
+    ddp_only = {n: p for n, p in {**strategy, **ddp}.items() if n in ddp or n in _DDP_STRATEGY_ONLY}
+    for name, value in kwargs.items():
+        if name not in strategy and name not in ddp:
+            known = sorted({*_CONFIG_FIELDS, *strategy, *ddp} - set(_SET_BY_STRATEGY))
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = (
+                f"; did you mean {close[0]!r}?" if close else f"; known settings: {', '.join(_CONFIG_FIELDS)}"
+            )
+            raise TypeError(f"UlyssesFPDTStrategy got an unknown setting {name!r}{hint}")
+        if name in _SET_BY_STRATEGY and not _is_default(value, ddp[name]):
+            raise TypeError(
+                f"UlyssesFPDTStrategy sets DistributedDataParallel's {name!r} itself (its gradient reduction "
+                f"spans all data- x sequence-parallel ranks); remove {name}={value!r}"
+            )
+        if data_parallel == "fsdp" and name in ddp_only and not _is_default(value, ddp_only[name]):
+            raise TypeError(
+                f"{name}={value!r} configures DDP, but data_parallel='fsdp' shards with FSDP2, which would ignore "
+                "it; remove it, or use data_parallel='ddp'"
+            )
 
 
 @_config_arguments(SequenceParallelConfig)
@@ -170,9 +214,11 @@ class UlyssesFPDTStrategy(DDPStrategy):
         {config_args}
         process_group_backend: as in ``DDPStrategy`` (``"nccl"`` on CUDA, ``"gloo"`` on CPU by default).
         timeout: as in ``DDPStrategy``.
-        kwargs: the settings above, and anything else goes to ``DDPStrategy`` (e.g. DDP's
-            ``find_unused_parameters``). ``gradient_as_bucket_view`` defaults to True here (the
-            gradients live in DDP's buckets, not in a second copy).
+        gradient_as_bucket_view: DDP's, but True by default here (the gradients live in DDP's buckets,
+            not in a second copy).
+        kwargs: the settings above, and ``DDPStrategy``'s own (e.g. DDP's ``find_unused_parameters``).
+            Any other keyword raises a ``TypeError`` naming the closest setting, and so do DDP's
+            keywords away from their defaults with ``data_parallel="fsdp"`` (FSDP2 would ignore them).
     """
 
     strategy_name = "ulysses_fpdt"
@@ -182,12 +228,17 @@ class UlyssesFPDTStrategy(DDPStrategy):
         *,
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
+        gradient_as_bucket_view: bool = True,
         **kwargs: Any,
     ) -> None:
         settings = {name: kwargs.pop(name) for name in _CONFIG_FIELDS if name in kwargs}
         self.sp_config = SequenceParallelConfig(**settings)  # bad settings fail before any DDP set-up
-        # gradients as views into DDP's all-reduce buckets: DDP's default keeps a second full copy of them
-        kwargs.setdefault("gradient_as_bucket_view", True)
+        # gradients as views into DDP's all-reduce buckets (DDP's default keeps a second full copy); a named
+        # argument so that LightningCLI's value is ours, not DDP's default
+        kwargs["gradient_as_bucket_view"] = gradient_as_bucket_view
+        _check_keywords(kwargs, self.sp_config.data_parallel)
+        if self.sp_config.data_parallel == "fsdp":
+            del kwargs["gradient_as_bucket_view"]  # at its default (else refused above): nothing to pass on
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
         self._layout: ParallelLayout | None = None
         self._mesh: Any = None

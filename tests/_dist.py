@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -38,6 +39,12 @@ def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
+
+
+def _describe(fn: Callable[..., Any], args: tuple, kwargs: dict) -> str:
+    """``fn(arg, ..., key=value)``, each argument's repr cut to 200 characters."""
+    parts = [repr(a)[:200] for a in args] + [f"{k}={v!r}"[:200] for k, v in kwargs.items()]
+    return f"{fn.__name__}({', '.join(parts)})"
 
 
 def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
@@ -82,32 +89,48 @@ class DistPool:
             p.start()
         self.broken = False
 
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+    def _dead(self) -> str:
+        """``"rank 2 (SIGFPE), rank 3 (SIGFPE)"`` for the processes that are gone, or ``""``."""
+        parts = []
+        for r, p in enumerate(self._procs):
+            if not p.is_alive():
+                code = p.exitcode
+                why = signal.Signals(-code).name if code is not None and code < 0 else f"exit code {code}"
+                parts.append(f"rank {r} ({why})")
+        return ", ".join(parts)
+
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """``[fn(*args, **kwargs) on rank 0, ...]``. A rank's exception, a dead rank or no result within
+        ``timeout`` seconds (default ``RESULT_TIMEOUT_S``) raises an ``AssertionError`` that names the ranks,
+        how they ended and the call (``fn`` and its arguments: the configuration to reproduce)."""
         for box in self._inboxes:
             box.put((fn, args, kwargs))
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
-        deadline = time.monotonic() + RESULT_TIMEOUT_S
+        limit = RESULT_TIMEOUT_S if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        call = _describe(fn, args, kwargs)
         while len(results) + len(errors) < self.world_size and not errors:
             try:
-                rank, ok, payload = self._outbox.get(timeout=1.0)
+                rank, ok, payload = self._outbox.get(timeout=0.5)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                dead = self._dead()
                 if dead or time.monotonic() > deadline:
                     self.broken = True
                     missing = sorted(set(range(self.world_size)) - set(results))
-                    why = (
-                        f"ranks {dead} died"
-                        if dead
-                        else f"no result within {RESULT_TIMEOUT_S:.0f}s (deadlock?)"
-                    )
-                    raise AssertionError(f"{fn.__name__}: ranks {missing} gave no result: {why}") from None
+                    why = f"died: {dead}" if dead else f"no result within {limit:.0f}s (deadlock?)"
+                    raise AssertionError(f"{call}: ranks {missing} gave no result: {why}") from None
                 continue
             (results if ok else errors)[rank] = payload
         if errors:
             self.broken = True
+            time.sleep(0.5)  # a rank that died took the others' collectives down: name it too
+            dead = self._dead()
             rank = min(errors)
-            raise AssertionError(f"{fn.__name__} failed on rank {rank} of {self.world_size}:\n{errors[rank]}")
+            why = f" (ranks that died: {dead})" if dead else ""
+            raise AssertionError(f"{call} failed on rank {rank} of {self.world_size}{why}:\n{errors[rank]}")
         return [results[r] for r in range(self.world_size)]
 
     def close(self) -> None:

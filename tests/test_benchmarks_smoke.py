@@ -122,3 +122,12 @@ def test_plot_writes_pngs(tmp_path: Path) -> None:
     _run_script(["benchmarks/plot.py", "--results", "benchmarks/results", "--out", str(tmp_path)])
     names = {p.name for p in tmp_path.glob("*.png")}
     assert names >= {"ulysses_time.png", "memory.png", "throughput.png", "soak.png", "attention.png"}
+
+
+def test_fuzz_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "fuzz.json"
+    proc = _run_script(["benchmarks/fuzz.py", "--trials", "6", "--seed", "3", "--out", str(out)], timeout=180)
+    assert "| mode" in proc.stdout and "6 trials in" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["trials"] == 6 and sum(r["trials"] for r in data["summary"]) == 6
+    assert data["failing"] == [] and sum(r["failing"] for r in data["summary"]) == 0

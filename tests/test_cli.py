@@ -155,6 +155,7 @@ cli = LightningCLI(L.LightningModule, L.LightningDataModule, subclass_mode_model
                    subclass_mode_data=True, run=False, args=["--config", sys.argv[1]])
 s = cli.trainer.strategy
 print("STRATEGY", type(s).__module__, type(s).__name__, s.sp_config.sequence_parallel_size)
+print("BUCKET_VIEW", s._ddp_kwargs["gradient_as_bucket_view"])
 """
 
 
@@ -182,6 +183,8 @@ def test_yaml_class_path_strategy_needs_no_import(tmp_path):
     script.write_text(_NO_IMPORT_SCRIPT)
     out = _run([sys.executable, str(script), str(config)], timeout=120, cwd=tmp_path).stdout
     assert "STRATEGY lightning_longctx.strategy UlyssesFPDTStrategy 2" in out
+    # LightningCLI passes every DDP keyword at DDP's default: ours (gradients in the buckets) must win
+    assert "BUCKET_VIEW True" in out
 
 
 @pytest.mark.parametrize(

@@ -394,3 +394,29 @@ def test_lengths_differing_across_ranks_fail_before_a_collective_hangs(dist_pool
 def test_unsupported_precision_is_refused(dist_pool):
     for msg in dist_pool(2).run(_unsupported_precision):
         assert "precision='transformer-engine' is not supported" in msg, msg
+
+
+def test_unknown_and_ignored_settings_are_refused():
+    """A typo, another strategy's setting or a DDP keyword FSDP would ignore: a TypeError naming it and the fix,
+    never a run that silently leaves the feature off."""
+    with pytest.raises(
+        TypeError, match="unknown setting 'activation_ofload'; did you mean 'activation_offload'"
+    ):
+        UlyssesFPDTStrategy(data_parallel="fsdp", activation_ofload=True)
+    with pytest.raises(TypeError, match="unknown setting 'tensor_parallel_size'"):
+        UlyssesFPDTStrategy(tensor_parallel_size=2)
+    with pytest.raises(TypeError, match=r"find_unused_parameters=True configures DDP.*data_parallel='fsdp'"):
+        UlyssesFPDTStrategy(data_parallel="fsdp", find_unused_parameters=True)
+    with pytest.raises(TypeError, match=r"ddp_comm_hook=.* configures DDP"):
+        UlyssesFPDTStrategy(data_parallel="fsdp", ddp_comm_hook=print)
+    with pytest.raises(TypeError, match="gradient_as_bucket_view=False configures DDP"):
+        UlyssesFPDTStrategy(data_parallel="fsdp", gradient_as_bucket_view=False)
+    with pytest.raises(TypeError, match="sets DistributedDataParallel's 'device_ids' itself"):
+        UlyssesFPDTStrategy(device_ids=[0])
+    # DDP keywords at their defaults (LightningCLI passes every one of them) and the Strategy's own pass
+    fsdp = UlyssesFPDTStrategy(
+        data_parallel="fsdp", find_unused_parameters=False, process_group=None, start_method="spawn"
+    )
+    assert "gradient_as_bucket_view" not in fsdp._ddp_kwargs
+    ddp = UlyssesFPDTStrategy(gradient_as_bucket_view=False, static_graph=True)
+    assert ddp._ddp_kwargs == {"gradient_as_bucket_view": False, "static_graph": True}

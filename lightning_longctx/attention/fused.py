@@ -223,6 +223,10 @@ def block_forward(
     ``(out (b, s_q, h, d) in the compute dtype (fp32/fp64), lse (b, h, s_q))``. The op runs in
     :func:`common_dtype` (give ``bias`` in it)."""
     h, dt = q.shape[2], common_dtype(q, k)
+    ct = compute_dtype(dt)
+    if h == 0:  # a rank that owns no head (h < P): nothing to compute; the ops die (SIGFPE) on 0 heads
+        b, s_q, _, d = q.shape
+        return q.new_zeros((b, s_q, 0, d), dtype=ct), q.new_zeros((b, 0, s_q), dtype=ct)
     qt, kt, vt = (x.to(dt).transpose(1, 2) for x in (q, k, v))  # (b, h, s, d) views, no copy
     out, lse = kernel.forward_op(
         qt, _heads_for(kernel, kt, h), _heads_for(kernel, vt, h), scale, causal, bias
@@ -230,7 +234,6 @@ def block_forward(
     dead = _dead_rows(bias)
     if dead is not None:  # the op gives such rows lse = 0; the online softmax needs -inf
         lse = lse.masked_fill(dead, float("-inf"))
-    ct = compute_dtype(dt)
     return out.transpose(1, 2).to(ct), lse.to(ct)
 
 
@@ -252,6 +255,9 @@ def block_backward(
     its query rows (merged over every kv block, sinks included): ``dq (b, s_q, h, d)``, ``dk``/``dv``
     ``(b, s_k, h_kv, d)`` in the compute dtype. The op runs in :func:`common_dtype`."""
     h, h_kv, dt = q.shape[2], k.shape[2], common_dtype(q, k)
+    ct = compute_dtype(dt)
+    if h == 0:  # a rank that owns no head: zero-sized gradients (the ops die on 0 heads)
+        return tuple(x.new_zeros(x.shape, dtype=ct) for x in (q, k, v))  # type: ignore[return-value]
     qt, kt, vt, dot, ot = (x.to(dt).transpose(1, 2) for x in (q, k, v, dout, out))
     ke, ve = _heads_for(kernel, kt, h), _heads_for(kernel, vt, h)
     lse = lse.float() if dt != torch.float64 else lse
@@ -260,7 +266,6 @@ def block_backward(
         b, _, s_k, d = dk.shape
         dk = dk.reshape(b, h_kv, h // h_kv, s_k, d).sum(2)
         dv = dv.reshape(b, h_kv, h // h_kv, s_k, d).sum(2)
-    ct = compute_dtype(dt)
     return dq.transpose(1, 2).to(ct), dk.transpose(1, 2).to(ct), dv.transpose(1, 2).to(ct)
 
 

@@ -143,8 +143,11 @@ class ChunkStore:
 
     # ---- fetching ----
     def prefetch(self, key: Key) -> None:
-        """Start bringing ``key`` back to the device (side stream on CUDA; a copy on CPU)."""
-        if not self.offload or key in self._pending:
+        """Start bringing ``key`` back to the device (side stream on CUDA; a copy on CPU). A key not stored
+        yet is skipped: a pipeline's look-ahead can reach a chunk that has not arrived (FPDT's causal
+        diagonal k_i, when packed documents or a window leave segment i no earlier kv segment), and
+        :meth:`get` fetches it when it is asked for."""
+        if not self.offload or key in self._pending or key not in self._data:
             return
         host = self._data[key]
         event = None

@@ -1,0 +1,152 @@
+"""Long randomized differential searches: the strategies of ``tests/test_fuzz.py``, many more trials.
+
+    python benchmarks/fuzz.py --trials 2000 --seed 1                 # the attention core
+    python benchmarks/fuzz.py --target strategy --trials 50 --seed 1  # one Trainer step per trial
+
+Every trial is one drawn configuration run on real gloo ranks against the single-process reference
+(``tests/fuzz_common.py``: exact / refused / failing; a dead rank or a hang is failing, with the ranks
+named). Prints a table of verdicts per mode and world size, every failing configuration as a line ready
+to paste into ``REGRESSIONS`` of tests/test_fuzz.py, and writes the JSON (``--out``: the counts, the refusals by message and every failing case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))
+
+from common import environment, format_table, write_json  # noqa: E402
+
+
+def _targets() -> dict:
+    """name -> (strategy of cases, the per-rank runner, tolerance, timeout per trial in s)."""
+    import fuzz_attention
+
+    targets = {
+        "attention": (
+            fuzz_attention.attention_cases(),
+            fuzz_attention.run_attention,
+            fuzz_attention.TOLERANCE,
+            60.0,
+        )
+    }
+    try:
+        import fuzz_strategy
+    except ImportError:
+        return targets
+    targets["strategy"] = (
+        fuzz_strategy.strategy_cases(),
+        fuzz_strategy.run_strategy,
+        fuzz_strategy.TOLERANCE,
+        240.0,
+    )
+    return targets  # fmt: skip
+
+
+def search(target: str, trials: int, seed: int, quiet: bool = False) -> list[dict]:
+    """Run ``trials`` drawn cases (hypothesis, seeded, no shrinking, no database); one row per trial."""
+    from _dist import DistPool
+    from fuzz_common import run_verdict
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+
+    cases, runner, tolerance, timeout = _targets()[target]
+    pools: dict[int, DistPool] = {}
+
+    def pool_of(world: int) -> DistPool:
+        pool = pools.get(world)
+        if pool is None or pool.broken:
+            if pool is not None:
+                pool.close()
+            pool = pools[world] = DistPool(world)
+        return pool
+
+    rows: list[dict] = []
+
+    @settings(max_examples=trials, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @hseed(seed)
+    @given(cases)
+    def run(case) -> None:
+        start = time.perf_counter()
+        verdict = run_verdict(pool_of, case.world, runner, case, tolerance, timeout)
+        rows.append({"case": case, "verdict": verdict, "seconds": time.perf_counter() - start})
+        if not quiet and verdict.kind == "failing":
+            print(f"FAILING {case!r}\n  {verdict.detail[:500]}", flush=True)
+
+    try:
+        run()
+    finally:
+        for pool in pools.values():
+            pool.close()
+    return rows
+
+
+COLUMNS = [("mode", "mode", ""), ("world", "world", ""), ("sp", "sp", ""), ("trials", "trials", ""),
+           ("exact", "exact", ""), ("refused", "refused", ""), ("failing", "failing", "")]  # fmt: skip
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Verdict counts per (mode, world size, sequence-parallel size: the world for the attention core)."""
+    counts: dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
+    for r in rows:
+        c = r["case"]
+        counts[(c.mode, c.world, getattr(c, "sp", c.world))][r["verdict"].kind] += 1
+    return [
+        {"mode": mode, "world": world, "sp": sp, "trials": sum(cnt.values()), **{k: cnt[k] for k in ("exact", "refused", "failing")}}
+        for (mode, world, sp), cnt in sorted(counts.items())
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", choices=["attention", "strategy"], default="attention")
+    p.add_argument("--trials", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--out", type=Path, default=None, help="JSON (default benchmarks/results/fuzz_<target>.json)"
+    )
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    start = time.perf_counter()
+    rows = search(args.target, args.trials, args.seed)
+    wall = time.perf_counter() - start
+    table = summarize(rows)
+    print(format_table(table, COLUMNS))
+    worst = max((r["verdict"].error or 0.0 for r in rows if r["verdict"].kind == "exact"), default=0.0)
+    print(f"{len(rows)} trials in {wall:.0f} s; worst relative error of an exact trial {worst:.2e}")
+    refusals = collections.Counter(
+        r["verdict"].detail.split(";")[0][:120] for r in rows if r["verdict"].kind == "refused"
+    )
+    for why, n in refusals.most_common():
+        print(f"  refused x{n}: {why}")
+    failing = [r for r in rows if r["verdict"].kind == "failing"]
+    if failing:
+        print("\nfailing configurations, ready to paste into REGRESSIONS (tests/test_fuzz.py):")
+        for i, r in enumerate(failing):
+            print(
+                f'    "found_{args.seed}_{i}": {r["case"]!r},  # {r["verdict"].detail.splitlines()[0][:100]}'
+            )
+    out = args.out or HERE / "results" / f"fuzz_{args.target}.json"
+    seconds = [r["seconds"] for r in rows]
+    write_json(out, {
+        "target": args.target, "trials": len(rows), "seed": args.seed, "wall_s": wall,
+        "environment": environment(), "summary": table, "worst_exact_error": worst,
+        "seconds_per_trial": {"mean": sum(seconds) / max(len(seconds), 1), "max": max(seconds, default=0.0)},
+        "refusals": dict(refusals.most_common()),
+        "failing": [{"case": asdict(r["case"]), "verdict": asdict(r["verdict"])} for r in failing],
+    })  # fmt: skip
+    print(f"wrote {out}")
+    return 1 if failing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

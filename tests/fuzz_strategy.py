@@ -1,0 +1,222 @@
+"""Randomized differential testing of the strategy: one real ``Trainer`` step against one process.
+
+:func:`strategy_cases` draws an architecture from the sweep's list (``arch_sweep.ARCHS``, dense ones:
+the MoE auxiliary loss has its own tests; mostly those the sweep finds exact, sometimes a refused one), the world size and sequence-parallel size (dp = world / sp),
+gradient accumulation, Ulysses or FPDT (chunk size), FPDT offload, activation checkpointing, activation
+offload, DDP or FSDP2, packed documents (position ids restarting at 0, the first label of a document
+ignored as ``DataCollatorWithFlattening`` does), the sequence length (also one that does not divide) and
+the loss normalization. :func:`run_strategy` trains one optimizer step (SGD) under
+``UlyssesFPDTStrategy`` on every rank and compares EVERY parameter with a single-process loop on the
+same global batch, which runs each packed document on its own (so the reference knows nothing of our
+document masks): relative error within :data:`TOLERANCE`, or a clear refusal (``fuzz_common``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from fuzz_common import REFUSALS, refusal_or_raise
+from hypothesis import strategies as st
+from torch.utils.data import Dataset, DistributedSampler
+
+TOLERANCE = 1e-5
+#: A parameter that is zero up to float noise (OPT's key biases start at 0 and get a gradient that softmax
+#: cancels: 1e-11 either way) is compared against this fraction of the model's largest parameter instead
+#: of its own size, as the architecture sweep does for gradients; an error above 1e-8 of it still fails.
+FLOOR = 1e-3
+LR = 0.5
+VOCAB = 96  # arch_sweep's vocabulary
+
+
+def _dense_archs() -> tuple[list[str], list[str]]:
+    """The sweep's dense architectures: ``(exact in both modes, all)``; the first from the sweep's
+    generated page (tests/test_arch_sweep.py keeps it current)."""
+    from arch_sweep import ARCHS, DOCS
+
+    dense = [a.name for a in ARCHS if not a.moe]
+    exact = set(re.findall(r"^\| `([\w-]+)` \|.*\| exact \| exact \|$", DOCS.read_text(), flags=re.M))
+    return [n for n in dense if n in exact], dense
+
+
+@dataclass(frozen=True)
+class StratCase:
+    """One drawn Trainer run. ``fpdt_chunk_size`` None is Ulysses."""
+
+    arch: str
+    world: int
+    sp: int
+    seq: int
+    accumulate: int = 1
+    fpdt_chunk_size: int | None = None
+    offload: bool = False
+    activation_checkpointing: bool = False
+    activation_offload: bool = False
+    data_parallel: str = "ddp"
+    packed: bool = False
+    loss_normalization: str = "tokens"
+    seed: int = 0
+
+    @property
+    def mode(self) -> str:
+        return "ulysses" if self.fpdt_chunk_size is None else "fpdt"
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.sp
+
+
+@st.composite
+def strategy_cases(draw: st.DrawFn, archs: list[str] | None = None) -> StratCase:
+    world = draw(st.sampled_from([1, 2, 4]))
+    sp = draw(st.sampled_from([s for s in (1, 2, 4) if world % s == 0]))
+    chunk = draw(st.one_of(st.none(), st.integers(2, 4)))
+    exact, dense = _dense_archs()
+    # mostly models the sweep runs exactly; now and then any dense one (refused ones must refuse cleanly)
+    pool = archs or draw(st.sampled_from([exact] * 5 + [dense]))
+    return StratCase(
+        arch=draw(st.sampled_from(pool)),
+        world=world,
+        sp=sp,
+        seq=draw(st.sampled_from([16, 23, 24])),
+        accumulate=draw(st.integers(1, 2)),
+        fpdt_chunk_size=chunk,
+        offload=chunk is not None and draw(st.booleans()),
+        activation_checkpointing=draw(st.booleans()),
+        activation_offload=draw(st.booleans()),
+        data_parallel=draw(st.sampled_from(["ddp", "fsdp"])),
+        packed=draw(st.booleans()),
+        loss_normalization=draw(st.sampled_from(["tokens", "micro_batch"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+class FuzzDataset(Dataset):
+    """Random tokens with SFT-style labels (a prompt of random length ignored); ``packed``: 1-3 documents
+    per sample with restarting ``position_ids`` and the first label of every document ignored. Every
+    sample keeps at least one target."""
+
+    def __init__(self, n: int, seq: int, packed: bool, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.rows = []
+        for _ in range(n):
+            ids = torch.randint(3, VOCAB, (seq,), generator=g)
+            labels = ids.clone()
+            labels[: int(torch.randint(0, seq // 3, (), generator=g))] = -100
+            row = {"input_ids": ids, "labels": labels}
+            if packed:
+                cuts = sorted(set(torch.randint(1, seq - 1, (int(torch.randint(0, 3, (), generator=g)),),
+                                                generator=g).tolist()))  # fmt: skip
+                pos = torch.arange(seq)
+                for a, b in zip(cuts, [*cuts[1:], seq]):
+                    pos[a:b] = torch.arange(b - a)
+                    labels[a] = -100
+                row["position_ids"] = pos
+            labels[-1] = ids[-1]  # keeps one target whatever the prompt and documents cut
+            self.rows.append(row)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+
+def _documents(row: dict) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` of the sample's packed documents."""
+    pos = row.get("position_ids")
+    n = len(row["input_ids"])
+    starts = [0] if pos is None else [0, *[t for t in range(1, n) if int(pos[t]) == 0]]
+    return list(zip(starts, [*starts[1:], n]))
+
+
+def _token_loss_sum(model: torch.nn.Module, row: dict) -> tuple[torch.Tensor, int]:
+    """Sum of the sample's token losses and its valid-target count: each document run alone (plain
+    positions, no mask of ours), its next-token targets inside it."""
+    total, count = torch.zeros(()), 0
+    for a, b in _documents(row):
+        ids, labels = row["input_ids"][a:b], row["labels"][a:b]
+        targets = torch.cat([labels[1:], labels.new_full((1,), -100)])  # shift inside the document
+        if b < len(row["input_ids"]):  # the next document's first token is ignored (label -100)
+            assert int(row["labels"][b]) == -100
+        else:
+            targets[-1] = -100  # the sequence's last token has no next token
+        logits = model(input_ids=ids[None], position_ids=torch.arange(b - a)[None]).logits[0].float()
+        total = total + F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+        count += int((targets != -100).sum())
+    return total, count
+
+
+def reference_step(case: StratCase, model: torch.nn.Module, data: FuzzDataset) -> None:
+    """One SGD step of one process on the global batch (dp ranks x micro-batches, Lightning's sampler
+    order): the token mean over the whole window, or the mean of the micro-batches' means."""
+    orders = [
+        list(DistributedSampler(data, num_replicas=case.dp, rank=j, shuffle=True, seed=0))
+        for j in range(case.dp)
+    ]
+    rows = [data[orders[j][m]] for m in range(case.accumulate) for j in range(case.dp)]  # fmt: skip
+    sums = [_token_loss_sum(model, row) for row in rows]
+    if case.loss_normalization == "tokens":
+        loss = sum(s for s, _ in sums) / sum(c for _, c in sums)
+    else:
+        loss = sum(s / c for s, c in sums) / len(sums)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def run_strategy(case: StratCase) -> tuple[str, object]:
+    """On every rank of the default group: ``("ran", worst relative error over every parameter)`` or
+    ``("refused", message)``."""
+    import lightning as L
+    import torch.distributed as dist
+    from arch_sweep import arch_by_name, build_model
+    from hf_models import HFModule
+    from test_strategy import _env_for_lightning
+
+    from lightning_longctx import UlyssesFPDTStrategy
+
+    assert dist.get_world_size() == case.world
+    _env_for_lightning()
+    data = FuzzDataset(case.dp * case.accumulate, case.seq, case.packed, case.seed)
+    arch = arch_by_name(case.arch)
+    module = HFModule(build_model(arch), lr=LR, dataset=data)
+    try:
+        strategy = UlyssesFPDTStrategy(
+            sequence_parallel_size=case.sp,
+            fpdt_chunk_size=case.fpdt_chunk_size,
+            offload=case.offload,
+            activation_checkpointing=case.activation_checkpointing,
+            activation_offload=case.activation_offload,
+            data_parallel=case.data_parallel,
+            loss_normalization=case.loss_normalization,
+        )
+        trainer = L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=case.world, max_steps=1,
+            accumulate_grad_batches=case.accumulate, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(module)
+    except REFUSALS as e:
+        return refusal_or_raise(e)
+    state = {k.removeprefix("model."): v for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    if not state:  # FSDP gathers the full state dict on rank 0 only
+        return "ran", 0.0
+    ref = build_model(arch)
+    init = {k: v.clone() for k, v in ref.state_dict().items()}
+    reference_step(case, ref, data)
+    final = ref.state_dict()
+    floor = FLOOR * max(float(w.abs().max()) for w in final.values())
+    worst, moved = 0.0, 0.0
+    for name, want in final.items():
+        moved = max(moved, float((want - init[name]).abs().max()))
+        err = float((state[name] - want).abs().max()) / max(float(want.abs().max()), floor)
+        worst = max(worst, err)
+    if moved == 0.0:
+        raise AssertionError(
+            f"{case}: no parameter moved in the reference step: the comparison proves nothing"
+        )
+    return "ran", worst

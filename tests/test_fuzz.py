@@ -1,0 +1,96 @@
+"""Randomized differential tests (hypothesis): the attention core against a float64 reference, and one
+Trainer step of the strategy against a single-process loop, every parameter.
+
+CI runs a fixed sample: ``derandomize=True`` (the same examples every run, chosen from the test's name)
+and no example database. ``python benchmarks/fuzz.py --trials N --seed S`` runs long searches with
+the same strategies and prints what it finds failing as cases ready to paste into ``REGRESSIONS``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fuzz_attention import TOLERANCE as ATTN_TOLERANCE
+from fuzz_attention import AttnCase, attention_cases, run_attention
+from fuzz_common import run_verdict
+from fuzz_strategy import TOLERANCE as STRATEGY_TOLERANCE
+from fuzz_strategy import StratCase, run_strategy, strategy_cases
+from hypothesis import HealthCheck, given, settings
+
+#: per example; a hang is a failure naming the ranks and the configuration, not a stuck suite
+EXAMPLE_TIMEOUT_S = 60.0
+STRATEGY_TIMEOUT_S = 240.0  # one Trainer step of a tiny model; world 4 on 2 cores takes ~10 s
+
+CI = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+    ],
+)
+
+#: Layouts that crashed or disagreed once, found by users or the fuzzer: each must stay exact (or refused).
+REGRESSIONS = {
+    # FPDT offload on packed documents whose boundary lets the block plan skip a whole kv chunk: the kv
+    # prefetch ran ahead of the chunk's arrival (KeyError ('k', 1) in offload.py)
+    "offload_docs_skip_chunk_softcap": AttnCase(
+        world=2, mode="fpdt", b=2, h=4, h_kv=4, d=8, chunk_size=4, chunks=2,
+        docs=((8, 8), (4, 4, 7, 1)), softcap=20.0, offload=True,
+    ),
+    "offload_docs_skip_chunk_gqa": AttnCase(
+        world=2, mode="fpdt", b=2, h=8, h_kv=4, d=16, chunk_size=8, chunks=4,
+        docs=((5, 27, 32), (32, 32)), offload=True,
+    ),
+    "offload_window_1": AttnCase(
+        world=2, mode="fpdt", b=1, h=2, h_kv=1, d=8, chunk_size=2, chunks=3, sliding_window=1, offload=True,
+    ),
+    # fewer query heads than ranks: the ranks that own no head called the fused CPU kernel with zero heads
+    # (SIGFPE, every rank dead)
+    "fpdt_h2_p4": AttnCase(world=4, mode="fpdt", b=1, h=2, h_kv=1, d=8, chunk_size=4, chunks=1),
+    "fpdt_h3_p4": AttnCase(world=4, mode="fpdt", b=1, h=3, h_kv=1, d=8, chunk_size=4, chunks=1),
+    "ulysses_h2_p4_docs": AttnCase(
+        world=4, mode="ulysses", b=1, h=2, h_kv=1, d=8, chunk_size=2, chunks=2, docs=((5, 11),),
+    ),
+}  # fmt: skip
+
+
+#: Trainer configurations worth keeping (found by benchmarks/fuzz.py --target strategy).
+STRATEGY_REGRESSIONS = {
+    # OPT's key biases start at 0 and get a gradient softmax cancels (1e-11 either way): compared against
+    # the model's largest parameter (fuzz_strategy.FLOOR), not their own size
+    "opt_zero_key_bias_fsdp_packed": StratCase(
+        arch="opt", world=2, sp=2, seq=23, activation_checkpointing=True, activation_offload=True,
+        data_parallel="fsdp", packed=True, seed=1,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(STRATEGY_REGRESSIONS))
+def test_strategy_regressions(dist_pool, name):
+    case = STRATEGY_REGRESSIONS[name]
+    verdict = run_verdict(dist_pool, case.world, run_strategy, case, STRATEGY_TOLERANCE, STRATEGY_TIMEOUT_S)
+    assert verdict.kind == "exact", (case, verdict)
+
+
+@pytest.mark.parametrize("name", list(REGRESSIONS))
+def test_attention_regressions(dist_pool, name):
+    case = REGRESSIONS[name]
+    verdict = run_verdict(dist_pool, case.world, run_attention, case, ATTN_TOLERANCE, EXAMPLE_TIMEOUT_S)
+    assert verdict.kind == "exact", (case, verdict)
+
+
+@settings(CI, max_examples=40)
+@given(case=attention_cases())
+def test_attention_matches_reference_or_refuses(dist_pool, case):
+    verdict = run_verdict(dist_pool, case.world, run_attention, case, ATTN_TOLERANCE, EXAMPLE_TIMEOUT_S)
+    assert verdict.kind in ("exact", "refused"), (case, verdict)
+
+
+@settings(CI, max_examples=8)
+@given(case=strategy_cases())
+def test_trainer_step_matches_single_process_or_refuses(dist_pool, case):
+    verdict = run_verdict(dist_pool, case.world, run_strategy, case, STRATEGY_TOLERANCE, STRATEGY_TIMEOUT_S)
+    assert verdict.kind in ("exact", "refused"), (case, verdict)
