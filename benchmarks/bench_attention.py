@@ -114,7 +114,7 @@ def _bench_rank(args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     out = fpdt_attention(*leaves, chunk_size=c, causal=True, **FPDT_KW[name])
                     if name == "fpdt":
-                        kernels.update(out.grad_fn.cfg.plan.kernel_names())
+                        kernels.update(out.grad_fn.call.plan.kernel_names())
                 out.backward(dout)
                 return out.detach(), leaves
 

@@ -15,12 +15,14 @@ registered name such as ``ulysses_fpdt``); ``data.init_args.seq_len`` and ``batc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_longctx.config import SequenceParallelConfig
 from lightning_longctx.planner import MemoryPlan, format_bytes, longest_sequence, parse_bytes, plan_memory
 
 __all__ = ["main", "plan_kwargs_from_config"]
@@ -81,36 +83,31 @@ def plan_kwargs_from_config(
     settings, note = _strategy_settings(trainer.get("strategy", "auto"))
     if note:
         notes.append(f"{note}: planned as DDP without sequence parallelism")
-    sp = settings.get("sequence_parallel_size", "auto")
-    sp = devices if sp == "auto" else int(sp)
-    if world % sp:
-        raise ValueError(
-            f"sequence_parallel_size={sp} does not divide the world size {world} (devices x num_nodes)"
-        )
-    chunk = settings.get("fpdt_chunk_size")
-    offload = settings.get("offload", False)
-    if offload == "auto":  # the strategy turns it on when training on CUDA
-        offload = chunk is not None and str(trainer.get("accelerator", "auto")) != "cpu"
-        notes.append(f"offload='auto': planned {'on (a GPU run)' if offload else 'off (CPU)'}")
+    fields = {f.name for f in dataclasses.fields(SequenceParallelConfig)}
+    given = SequenceParallelConfig(**{k: v for k, v in settings.items() if k in fields})
+    device_type = "cpu" if str(trainer.get("accelerator", "auto")) == "cpu" else "cuda"
+    cfg = given.resolve(world_size=world, devices_per_node=devices, device_type=device_type)
+    if given.offload == "auto":
+        notes.append(f"offload='auto': planned {'on (a GPU run)' if cfg.offload else 'off (CPU)'}")
 
     n = seq_len if seq_len is not None else data_args.get("seq_len")
     if n is None:
         raise ValueError("no sequence length: the config has no data.init_args.seq_len; pass --seq-len")
     kwargs = {
         "seq_len": int(n),
-        "sequence_parallel_size": sp,
-        "data_parallel_size": world // sp,
-        "mode": "ulysses" if chunk is None else "fpdt",
-        "fpdt_chunk_size": chunk,
-        "offload": bool(offload),
-        "activation_checkpointing": bool(settings.get("activation_checkpointing") or model_args.get("activation_checkpointing")),
-        "activation_offload": bool(settings.get("activation_offload")),
-        "data_parallel": settings.get("data_parallel", "ddp"),
+        "sequence_parallel_size": cfg.sp,
+        "data_parallel_size": cfg.dp,
+        "mode": cfg.mode,
+        "fpdt_chunk_size": given.fpdt_chunk_size,
+        "offload": cfg.offload,
+        "activation_checkpointing": cfg.activation_checkpointing or bool(model_args.get("activation_checkpointing")),
+        "activation_offload": given.activation_offload,
+        "data_parallel": given.data_parallel,
         "micro_batch_size": int(data_args.get("batch_size", 1)),
         "precision": str(trainer.get("precision", "32-true")),
         "param_dtype": model_args.get("dtype"),
-        "loss_chunk_size": settings.get("loss_chunk_size"),
-        "mlp_chunk_size": settings.get("mlp_chunk_size"),
+        "loss_chunk_size": given.loss_chunk_size,
+        "mlp_chunk_size": given.mlp_chunk_size,
     }  # fmt: skip
     return model, kwargs, notes
 

@@ -44,6 +44,44 @@ def _segment(n: int, world: int, chunk_size: int | None) -> int:
     return chunk_size
 
 
+def chunk_for(seq_len: int, world: int, chunk_size: int | None) -> int | None:
+    """Tokens per FPDT chunk per rank for a global sequence of ``seq_len`` tokens over ``world`` ranks:
+    ``chunk_size``, or one chunk of the local length for a sequence shorter than ``world * chunk_size``
+    (``None``: the contiguous layout). The one place this rule lives."""
+    if chunk_size is None:
+        return None
+    return min(chunk_size, -(-seq_len // world))
+
+
+def local_chunk(chunk_size: int, local_len: int) -> int:
+    """The chunk of a rank holding ``local_len`` tokens of a sequence laid out by :func:`chunk_for` (the same
+    rule, seen from the local length that ``shard_batch`` produced)."""
+    return min(chunk_size, local_len)
+
+
+def global_index(
+    local_len: int, *, rank: int, world: int, chunk_size: int | None, device: torch.device | None = None
+) -> torch.Tensor:
+    """``(local_len,)`` global token index of each of rank ``rank``'s tokens in the layout (the inverse of
+    :func:`shard_sequence` on ``arange(N)``, computed without a collective)."""
+    t = torch.arange(local_len, device=device)
+    if chunk_size is None:
+        return rank * local_len + t
+    c = local_chunk(chunk_size, local_len)  # rank r holds chunks r, r+P, ... of c tokens
+    return (t // c * world + rank) * c + t % c
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Document ids ``(b, N)`` from the GLOBAL position ids ``(b, N)`` of whole sequences: a position 0
+    after the first token starts a new document (packed sequences). ``None`` when no row packs more than
+    one document (nothing to mask)."""
+    starts = position_ids == 0
+    starts[:, 0] = True
+    if not bool(starts[:, 1:].any()):
+        return None
+    return torch.cumsum(starts.to(torch.int32), dim=1)
+
+
 def shard_sequence(
     x: torch.Tensor, *, group: Group = None, dim: int = 1, chunk_size: int | None = None
 ) -> torch.Tensor:
@@ -105,6 +143,32 @@ def _check_padding_mask(mask: torch.Tensor, shape: torch.Size) -> None:
         )
 
 
+def _pad_length(n: int, group: Group, chunk_size: int | None) -> int:
+    """Tokens ``shard_batch`` appends to a sequence of ``n``: up to a multiple of ``P`` (``P * chunk``)."""
+    _, world = group_rank_size(group)
+    return -n % (world * (chunk_size or 1))
+
+
+def _padded_positions(pos: torch.Tensor | None, ids: torch.Tensor, pad: int) -> torch.Tensor:
+    """``(b, N + pad)`` global positions: the batch's (``arange(N)`` when absent), continued over the pads."""
+    b, n = ids.shape
+    if pos is None:
+        pos = torch.arange(n, device=ids.device).expand(b, n)
+    if pad:
+        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1, device=pos.device)], dim=1)
+    return pos
+
+
+def global_positions(
+    batch: Mapping[str, Any], *, group: Group = None, chunk_size: int | None = None
+) -> torch.Tensor:
+    """``(b, N_pad)`` the GLOBAL position ids of a whole (unsharded) batch in sequence order, padded as
+    :func:`shard_batch` pads it: what every rank's shard of ``position_ids`` comes from. Its
+    :func:`document_ids` are the batch's packed documents, known here without a collective."""
+    ids = batch["input_ids"]
+    return _padded_positions(batch.get("position_ids"), ids, _pad_length(ids.shape[1], group, chunk_size))
+
+
 def shard_batch(
     batch: Mapping[str, Any],
     *,
@@ -137,10 +201,7 @@ def shard_batch(
     ids = batch["input_ids"]
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise ValueError(f"input_ids must be a (batch, seq) tensor, got {getattr(ids, 'shape', type(ids))}")
-    b, n = ids.shape
-    _, world = group_rank_size(group)
-    multiple = world * (chunk_size or 1)
-    pad = -n % multiple
+    pad = _pad_length(ids.shape[1], group, chunk_size)
 
     seqs: dict[str, torch.Tensor] = {}
     for key in SEQUENCE_KEYS:
@@ -163,12 +224,7 @@ def shard_batch(
         # the pads must be known as pads to whatever counts tokens inside the model (an MoE router's
         # load-balancing statistics); attention itself is causal and never sees them from a real token
         seqs["attention_mask"] = torch.ones_like(ids)
-    pos = seqs.get("position_ids")
-    if pos is None:
-        pos = torch.arange(n, device=ids.device).expand(b, n)
-    if pad:
-        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1, device=pos.device)], dim=1)
-    seqs["position_ids"] = pos
+    seqs["position_ids"] = _padded_positions(seqs.get("position_ids"), ids, pad)
 
     pad_value = {"input_ids": pad_token_id, "labels": ignore_index, "shift_labels": ignore_index}
     out = dict(batch)

@@ -23,9 +23,8 @@ import inspect
 import textwrap
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
@@ -35,101 +34,20 @@ from transformers import PreTrainedModel
 from typing_extensions import override
 
 from lightning_longctx.comm import all_gather_object, count_all_to_all
+from lightning_longctx.config import DEFAULT_FPDT_CHUNK_SIZE, ResolvedConfig, SequenceParallelConfig
 from lightning_longctx.fsdp import FSDP2Sharding
+from lightning_longctx.integrations.context import BatchPositions, SequenceParallelContext
 from lightning_longctx.integrations.transformers import (
-    SequenceParallelContext,
     context_of,
     disable_sequence_parallel,
     enable_activation_checkpointing,
     enable_sequence_parallel,
 )
 from lightning_longctx.mesh import ParallelLayout, build_device_mesh
-from lightning_longctx.sharding import IGNORE_INDEX, shard_batch
+from lightning_longctx.sharding import global_positions, shard_batch
 from lightning_longctx.token_mean import TokenMeanWindow
 
-#: Tokens per chunk per rank of the "ulysses_fpdt" preset.
-DEFAULT_FPDT_CHUNK_SIZE = 4096
 SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SequenceParallelConfig:
-    """The sequence-parallel settings, validated once. They are written only here: the fields are the
-    keyword arguments of :class:`UlyssesFPDTStrategy` (its signature, which LightningCLI reads, and its
-    docstring are derived from this class).
-
-    Args:
-        sequence_parallel_size: ranks that share one sequence; ``"auto"`` = all devices of a node.
-            Must divide ``num_nodes * devices``; the rest is data parallelism.
-        fpdt_chunk_size: tokens per FPDT chunk per rank; ``None`` = plain Ulysses. Short sequences use
-            one chunk of their local length.
-        offload: keep FPDT's cold key/value chunks and saved activations in host memory; ``"auto"`` =
-            on when training on CUDA.
-        attention_backend: local kernel, ``"auto" | "flash" | "sdpa" | "math"``.
-        data_parallel: ``"ddp"`` (replicated parameters, DDP all-reduce over dp x sp) or ``"fsdp"``
-            (FSDP2 ``fully_shard`` of every transformer block and of each HF model over all dp x sp
-            ranks; checkpoints hold full, unsharded state dicts).
-        activation_checkpointing: enable HF gradient checkpointing (non-reentrant) on patched models.
-        activation_offload: checkpoint the decoder layers (as ``activation_checkpointing``) and keep each
-            layer's checkpointed input in pinned host memory until its recompute in backward, prefetched
-            back on a side stream; bit-identical results. On CPU it copies and saves nothing.
-        mlp_chunk_size: tokens per chunk of the FPDT-tiled MLP (default: ``fpdt_chunk_size``).
-        loss_chunk_size: tokens per chunk of FPDT's chunked lm_head + loss (default: from the vocabulary, at
-            most 128 MiB per fp32 logits block: 1024 tokens of a 32K vocabulary, 256 of a 128K one).
-        pad_token_id: token that pads sequences whose length does not divide.
-        ignore_index: label of tokens without a loss (padding gets it too).
-        loss_normalization: ``"tokens"`` (default): the loss and every gradient of an optimizer step are
-            those of one device on the whole global batch, the sum of token losses over all dp ranks and
-            micro-batches of the accumulation window divided by its valid-token count;
-            ``"micro_batch"``: Lightning's mean of per-micro-batch means (exact within an SP group).
-    """
-
-    sequence_parallel_size: int | Literal["auto"] = "auto"
-    fpdt_chunk_size: int | None = None
-    offload: bool | Literal["auto"] = False
-    attention_backend: str = "auto"
-    data_parallel: Literal["ddp", "fsdp"] = "ddp"
-    activation_checkpointing: bool = False
-    activation_offload: bool = False
-    mlp_chunk_size: int | None = None
-    loss_chunk_size: int | None = None
-    pad_token_id: int = 0
-    ignore_index: int = IGNORE_INDEX
-    loss_normalization: Literal["tokens", "micro_batch"] = "tokens"
-
-    def __post_init__(self) -> None:
-        sp = self.sequence_parallel_size
-        if sp != "auto" and (not isinstance(sp, int) or sp < 1):
-            raise ValueError(
-                f"sequence_parallel_size={sp!r}: use 'auto' (all devices of a node) or a positive int"
-            )
-        for name in ("fpdt_chunk_size", "mlp_chunk_size", "loss_chunk_size"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r}: use None (the default) or a positive token count")
-        if self.offload not in (True, False, "auto"):
-            raise ValueError(
-                f"offload={self.offload!r}: use True, False or 'auto' (on when training on CUDA)"
-            )
-        for name in ("activation_checkpointing", "activation_offload"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r}: use True or False")
-        if self.offload is True and self.fpdt_chunk_size is None:
-            raise ValueError("offload=True needs FPDT chunking: set fpdt_chunk_size (e.g. 4096)")
-        if self.loss_normalization not in ("tokens", "micro_batch"):
-            raise ValueError(
-                f"loss_normalization={self.loss_normalization!r} is unknown; use 'tokens' (the token mean over the "
-                "global batch, as one device) or 'micro_batch' (Lightning's mean of per-micro-batch means)"
-            )
-        if self.data_parallel not in ("ddp", "fsdp"):
-            raise ValueError(
-                f"data_parallel={self.data_parallel!r} is unknown; use 'ddp' (replicated parameters) or 'fsdp' "
-                "(FSDP2 fully_shard per transformer block over all dp x sp ranks)"
-            )
-
-    @property
-    def mode(self) -> str:
-        return "ulysses" if self.fpdt_chunk_size is None else "fpdt"
 
 
 def _config_arguments(config_cls: type) -> Any:
@@ -240,7 +158,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
         if self.sp_config.data_parallel == "fsdp":
             del kwargs["gradient_as_bucket_view"]  # at its default (else refused above): nothing to pass on
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
-        self._layout: ParallelLayout | None = None
+        self._config: ResolvedConfig | None = None
         self._mesh: Any = None
         self._fsdp: FSDP2Sharding | None = None
         self._token_mean: TokenMeanWindow | None = None
@@ -253,18 +171,17 @@ class UlyssesFPDTStrategy(DDPStrategy):
         self.current_chunk_size: int | None = None
 
     # ---- layout ----
-    def _resolve_layout(self) -> ParallelLayout:
-        sp = self.sp_config.sequence_parallel_size
-        per_node = self.num_processes
-        return ParallelLayout(
-            world_size=self.world_size, sp=per_node if sp == "auto" else sp, devices_per_node=per_node
-        )
+    @property
+    def config(self) -> ResolvedConfig:
+        """The settings resolved for this world (``SequenceParallelConfig.resolve``): the one object the
+        model patching, the batch sharding and the loss read."""
+        if self._config is None:
+            self._config = self.sp_config.resolve(self.world_size, self.num_processes, self.root_device.type)
+        return self._config
 
     @property
     def layout(self) -> ParallelLayout:
-        if self._layout is None:
-            self._layout = self._resolve_layout()
-        return self._layout
+        return self.config.layout
 
     @property
     def device_mesh(self) -> Any:
@@ -298,26 +215,26 @@ class UlyssesFPDTStrategy(DDPStrategy):
 
     @property
     def offload(self) -> bool:
-        off = self.sp_config.offload
-        return self.root_device.type == "cuda" if off == "auto" else bool(off)
+        return self.config.offload
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._layout = self._resolve_layout()
-        if self._layout.spans_nodes:
+        self._config = None  # resolved again now that the world is known
+        cfg, layout = self.config, self.layout
+        if layout.spans_nodes:
             rank_zero_warn(
-                f"sequence_parallel_size={self._layout.sp} spans nodes ({self._layout.devices_per_node} devices per "
+                f"sequence_parallel_size={layout.sp} spans nodes ({layout.devices_per_node} devices per "
                 "node): its all-to-alls cross the network. Prefer a divisor of the devices per node"
             )
-        self._mesh = build_device_mesh(self._layout, self.root_device.type)
-        if self.sp_config.data_parallel == "fsdp":
+        self._mesh = build_device_mesh(layout, self.root_device.type)
+        if cfg.settings.data_parallel == "fsdp":
             self._fsdp = FSDP2Sharding(self.root_device.type, self.world_size)
-        if self.sp_config.loss_normalization == "tokens":
+        if cfg.settings.loss_normalization == "tokens":
             self._token_mean = TokenMeanWindow(
-                world_size=self.world_size, dp_size=self._layout.dp, ignore_index=self.sp_config.ignore_index
+                world_size=self.world_size, dp_size=layout.dp, ignore_index=cfg.settings.ignore_index
             )
-        rank_zero_info(f"UlyssesFPDTStrategy: {self._layout}, mode={self.sp_config.mode}")
+        rank_zero_info(f"UlyssesFPDTStrategy: {cfg}")
 
     @override
     def _configure_launcher(self) -> None:
@@ -347,23 +264,16 @@ class UlyssesFPDTStrategy(DDPStrategy):
         super().setup(trainer)
 
     def _patch_models(self) -> None:
-        cfg = self.sp_config
+        cfg = self.config
         for module in self.lightning_module.modules():
             # modules() is pre-order: the outermost HF model is patched first; inner ones share its config
             if not isinstance(module, PreTrainedModel) or context_of(module) is not None:
                 continue
-            enable_sequence_parallel(
-                module,
-                group=self.sp_group,
-                mode=cfg.mode,
-                chunk_size=cfg.fpdt_chunk_size,
-                offload=self.offload,
-                backend=cfg.attention_backend,
-                mlp_chunk_size=cfg.mlp_chunk_size,
-                loss_chunk_size=cfg.loss_chunk_size,
-            )
-            if cfg.activation_checkpointing or cfg.activation_offload:
-                self._undo.append(enable_activation_checkpointing(module, offload=cfg.activation_offload))
+            enable_sequence_parallel(module, group=self.sp_group, config=cfg)
+            if cfg.activation_checkpointing:
+                self._undo.append(
+                    enable_activation_checkpointing(module, offload=cfg.settings.activation_offload)
+                )
             self._contexts.append(context_of(module))
 
     @override
@@ -412,10 +322,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
     # ---- batches ----
     def chunk_size_for(self, seq_len: int) -> int | None:
         """Tokens per FPDT chunk per rank for a global sequence of ``seq_len`` tokens (None for Ulysses)."""
-        c = self.sp_config.fpdt_chunk_size
-        if c is None:
-            return None
-        return min(c, -(-seq_len // self.sp_size))
+        return self.config.chunk_for(seq_len)
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -431,9 +338,13 @@ class UlyssesFPDTStrategy(DDPStrategy):
             batch,
             group=self.sp_group,
             chunk_size=chunk,
-            ignore_index=self.sp_config.ignore_index,
-            pad_token_id=self.sp_config.pad_token_id,
+            ignore_index=self.config.settings.ignore_index,
+            pad_token_id=self.config.settings.pad_token_id,
         )
+        if isinstance(out.get("position_ids"), Tensor):  # the batch's documents: known here, no collective
+            full = global_positions(batch, group=self.sp_group, chunk_size=chunk)
+            for ctx in self._contexts:
+                ctx.positions = BatchPositions(local=out["position_ids"], full=full)
         self._batches_sharded += 1
         return out
 

@@ -2,7 +2,7 @@
 
 :func:`attention_cases` draws what the public API accepts — P in {1, 2, 4}; query and kv heads (GQA,
 ``h_kv < P``, ``h < P``, ``h % P != 0``); head dim; batch; chunk size and chunks per rank; causal or
-not; packed documents of random lengths (length-1 documents, documents spanning ranks, documents
+not; packed documents of random lengths, given as position ids or as ``documents`` (length-1 documents, documents spanning ranks, documents
 inside one chunk, cuts on chunk and rank edges so that whole kv chunks are skipped); a sliding window;
 soft-capping; sinks; FPDT offload and overlap; compute tiles; backend; float32 / float64.
 :func:`run_attention` runs one case on every rank (forward and backward, gathered) against
@@ -25,6 +25,7 @@ from reference import reference_attention
 
 from lightning_longctx import gather_sequence, shard_sequence
 from lightning_longctx.attention import fpdt_attention, ulysses_attention
+from lightning_longctx.sharding import document_ids
 
 TOLERANCE = 1e-4
 #: A tensor whose reference is zero up to cancellation (dq and dk when every row attends only to itself)
@@ -49,6 +50,7 @@ class AttnCase:
     chunks: int
     causal: bool = True
     docs: tuple[tuple[int, ...], ...] | None = None
+    documents: bool = False  # hand the packed documents over as ``documents`` (per batch), not position ids
     sliding_window: int | None = None
     softcap: float | None = None
     sinks: bool = False
@@ -101,6 +103,7 @@ def attention_cases(draw: st.DrawFn, worlds: tuple[int, ...] = (1, 2, 4)) -> Att
         chunks=chunks,
         causal=draw(st.booleans()),
         docs=docs,
+        documents=packed and draw(st.booleans()),
         sliding_window=draw(st.one_of(st.none(), st.integers(1, n + 2))),
         softcap=draw(st.one_of(st.none(), st.sampled_from([0.5, 2.0, 20.0]))),
         sinks=draw(st.booleans()),
@@ -166,7 +169,8 @@ def run_attention(case: AttnCase) -> tuple[str, object]:
     sinks = None if x["sinks"] is None else x["sinks"].clone().requires_grad_()
     kw = dict(
         causal=case.causal,
-        position_ids=None if x["pos"] is None else shard(x["pos"]),
+        position_ids=None if x["pos"] is None or case.documents else shard(x["pos"]),
+        documents=document_ids(x["pos"]) if case.documents else None,
         sliding_window=case.sliding_window,
         softcap=case.softcap,
         sinks=sinks,

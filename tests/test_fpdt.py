@@ -71,7 +71,7 @@ def _fpdt(
         overlap=overlap,
     )
     if kernels is not None:
-        kernels |= out.grad_fn.cfg.plan.kernel_names()
+        kernels |= out.grad_fn.call.plan.kernel_names()
     (out * shard_sequence(w, chunk_size=c)).sum().backward()
     return [gather_sequence(x, chunk_size=c) for x in (out.detach(), *(t.grad for t in loc))]
 

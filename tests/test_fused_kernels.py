@@ -174,7 +174,7 @@ def _fpdt_kernels(**kw) -> tuple[set[str], list[torch.Tensor]]:
     v = torch.randn(2, 32, 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
     out = fpdt_attention(q, k, v, chunk_size=8, block_size=3, **kw)
     out.sum().backward()
-    return out.grad_fn.cfg.plan.kernel_names(), [out.detach(), q.grad, k.grad, v.grad]
+    return out.grad_fn.call.plan.kernel_names(), [out.detach(), q.grad, k.grad, v.grad]
 
 
 POS = torch.tensor([list(range(5)) + list(range(11)) + list(range(16))] * 2)
@@ -256,6 +256,6 @@ def test_mixed_dtypes_run_in_the_promoted_dtype():
         out = fpdt_attention(*leaves, chunk_size=8, position_ids=POS[:1], backend=backend)
         out.sum().backward()
         res[backend] = [out.detach(), *(x.grad for x in leaves)]
-        assert out.grad_fn.cfg.plan.kernel_names() == ({"cpu_flash"} if backend == "auto" else {"math"})
+        assert out.grad_fn.call.plan.kernel_names() == ({"cpu_flash"} if backend == "auto" else {"math"})
     for a, b in zip(res["auto"], res["math"]):
         assert a.dtype == b.dtype and (a.float() - b.float()).abs().max().item() < 1e-2

@@ -117,7 +117,7 @@ def test_fused_kernel_probe_finds_a_kernel(name):
     assert kern is not None, f"no fused kernel passed its probe on {DEVICE} {name}: FPDT runs the math blocks"
     q, k, v = (torch.randn(1, 512, h, 64, device=DEVICE, dtype=dtype, requires_grad=True) for h in (8, 2, 2))
     out = fpdt_attention(q, k, v, chunk_size=128)
-    assert out.grad_fn.cfg.plan.kernel_names() == {kern.name}  # the Function's ctx holds the plan
+    assert out.grad_fn.call.plan.kernel_names() == {kern.name}  # the Function's ctx holds the plan
 
 
 def _fused_recipe(kern, q, k, v, dout, masked: bool):

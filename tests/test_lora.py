@@ -42,7 +42,7 @@ class _SeenPatched(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         ctx = context_of(pl_module.model.get_base_model())
-        self.mode, self.attention_calls = (ctx.mode, ctx.attention_calls) if ctx else (None, 0)
+        self.mode, self.attention_calls = (ctx.config.mode, ctx.attention_calls) if ctx else (None, 0)
 
 
 def _fit_lora(arch: str, mode: str):

@@ -197,10 +197,11 @@ def test_packed_async_all_to_all_matches_one_by_one(dist_pool, world):
 
 
 def _routed_docs_gathered_once() -> dict:
-    """Ulysses ``backend="auto"`` with packed documents runs on FPDT's blocks: its mask and FPDT's share one
-    memo entry, so three layers on one position_ids tensor gather the positions once in all."""
+    """Ulysses ``backend="auto"`` with packed documents runs on FPDT's blocks: it hands FPDT the documents
+    it gathered, so a call gathers the positions once (not twice); with ``documents=`` not at all."""
     import lightning_longctx.attention.fpdt as fpdt
     import lightning_longctx.attention.ulysses as uly
+    from lightning_longctx.sharding import document_ids
 
     b, n, h, d = 1, 16, 4, 8
     g = torch.Generator().manual_seed(0)
@@ -223,60 +224,15 @@ def _routed_docs_gathered_once() -> dict:
         for _ in range(3):
             out = ulysses_attention(*(shard_sequence(x) for x in (q, k, v)), position_ids=local.expand(b, -1))
             errs.append((gather_sequence(out) - ref).abs().max().item())
-        return {"gathers": calls[0], "err": max(errs)}
+        by_positions = calls[0]
+        out = ulysses_attention(*(shard_sequence(x) for x in (q, k, v)), documents=document_ids(pos))
+        errs.append((gather_sequence(out) - ref).abs().max().item())
+        return {"gathers": (by_positions, calls[0] - by_positions), "err": max(errs)}
     finally:
         uly.all_gather_no_grad, fpdt.gather_sequence = originals
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_routed_packed_docs_gather_positions_once(dist_pool, world):
+def test_routed_packed_docs_gather_positions_once_per_call(dist_pool, world):
     for res in dist_pool(world).run(_routed_docs_gathered_once):
-        assert res["gathers"] == 1 and res["err"] < 1e-12, res
-
-
-def _docs_once_per_batch() -> dict:
-    """Four "layers" share one position_ids tensor (HF passes the same one, or views of it): one
-    all_gather in all; an in-place edit of the positions, or a new tensor, gathers again; results exact."""
-    import lightning_longctx.attention.ulysses as uly
-
-    b, n, h, d = 2, 16, 4, 8
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b, n, h, d, generator=g, dtype=torch.float64) for _ in range(3))
-    pos = packed_positions(b, n, [5, 11, 3, 13])
-    calls = [0]
-    orig = uly.all_gather_no_grad
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return orig(*args, **kwargs)
-
-    uly.all_gather_no_grad = counted
-    try:
-        local = shard_sequence(pos)
-        errs = []
-
-        def layer(p_ids, ref_pos):
-            out = ulysses_attention(
-                *(shard_sequence(x) for x in (q, k, v)), position_ids=p_ids, backend="math"
-            )
-            ref = reference_attention(q, k, v, position_ids=ref_pos)
-            errs.append((gather_sequence(out) - ref).abs().max().item())
-
-        for _ in range(3):
-            layer(local.expand(b, -1), pos)  # a new view per layer, as the HF integration makes
-        layer(local, pos)
-        after_four = calls[0]
-        local[:, :] = shard_sequence(packed_positions(b, n, [7, 9]))  # in place: the version changes
-        layer(local.expand(b, -1), packed_positions(b, n, [7, 9]))
-        after_edit = calls[0]
-        layer(shard_sequence(pos), pos)  # a new tensor
-        return {"after_four": after_four, "after_edit": after_edit, "after_new": calls[0], "err": max(errs)}
-    finally:
-        uly.all_gather_no_grad = orig
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_packed_docs_mask_built_once_per_batch(dist_pool, world):
-    for res in dist_pool(world).run(_docs_once_per_batch):
-        assert res["err"] < 1e-12, res
-        assert (res["after_four"], res["after_edit"], res["after_new"]) == (1, 2, 3), res
+        assert res["gathers"] == (3, 0) and res["err"] < 1e-12, res

@@ -6,13 +6,13 @@ Layout ``bshd`` = (batch, seq, heads, head_dim) throughout.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from lightning_longctx.comm import Group, group_rank_size, head_split
+from lightning_longctx.sharding import document_ids
 
 
 @dataclass(frozen=True)
@@ -62,72 +62,29 @@ class MaskSpec:
         )
 
 
-def doc_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Document ids ``(b, s)`` from GLOBAL position ids ``(b, s)``: a position 0 after the first token
-    starts a new document (packed sequences)."""
-    starts = position_ids == 0
-    starts[:, 0] = True
-    return torch.cumsum(starts.to(torch.int32), dim=1)
-
-
-def has_resets(position_ids: torch.Tensor | None) -> bool:
-    """Whether ``position_ids`` packs more than one document (any 0 after the first token)."""
-    return position_ids is not None and bool((position_ids[:, 1:] == 0).any())
-
-
-#: ``id(root tensor) -> (weak reference to it, key, docs)``: a memo of :func:`global_docs`. Entries leave
-#: with their tensor (the weak reference's callback); nothing else reads it. Not an attribute on the
-#: tensor: that would travel with ``torch.save`` / pickle (and break ``weights_only`` loading).
-_DOCS_MEMO: dict[int, tuple[weakref.ref, tuple, torch.Tensor | None]] = {}
-
-
-def _forget(ref: weakref.ref, key: int) -> None:
-    entry = _DOCS_MEMO.get(key)
-    if entry is not None and entry[0] is ref:
-        del _DOCS_MEMO[key]
-
-
-def global_docs(
-    position_ids: torch.Tensor,
+def documents_of(
+    position_ids: torch.Tensor | None,
+    documents: torch.Tensor | None,
     *,
-    group: Group,
-    layout: int | None,
+    shape: tuple[int, int],
     gather: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor | None:
-    """Document ids ``(b, N)`` of the whole sequence in global order from this rank's GLOBAL
-    ``position_ids`` ``(b, s/P)``, or ``None`` when it holds one document. ``gather`` builds the
-    ``(b, N)`` positions (a collective); ``layout`` names the sharding (FPDT's chunk size, None).
+    """Document ids ``(b, N)`` of the whole sequence in global order, or ``None`` (one document per row).
 
-    Computed once per batch, not once per layer: a model passes the same tensor, or views of it such
-    as ``expand``, to every layer, so the result is remembered for that tensor (its base for a view,
-    held through a weak reference: the entry dies with the tensor), keyed by the view's shape, strides
-    and offset, the tensor's version counter (an in-place write recomputes), the group (id, rank,
-    size) and the layout. A new tensor is a new entry. Every rank of the group must hit or miss
-    together — it does when all ranks run the same program on their shards (SPMD training); a rank
-    that writes its position ids behind autograd's back (``.data``, numpy) would also defeat the
-    version check. Inference tensors (no version counter) and tensor subclasses are never remembered."""
-    root = position_ids if position_ids._base is None else position_ids._base
-    cacheable = type(root) is torch.Tensor and not root.is_inference()
-    key: tuple = ()
-    if cacheable:
-        key = (
-            tuple(position_ids.shape),
-            position_ids.stride(),
-            position_ids.storage_offset(),
-            root._version,
-            layout,
-            id(group),
-            *group_rank_size(group),
-        )
-        entry = _DOCS_MEMO.get(id(root))
-        if entry is not None and entry[0]() is root and entry[1] == key:
-            return entry[2]
-    full = gather(position_ids)  # (b, N), global order
-    docs = doc_ids(full) if has_resets(full) else None
-    if cacheable:
-        ident = id(root)
-        _DOCS_MEMO[ident] = (weakref.ref(root, lambda ref, ident=ident: _forget(ref, ident)), key, docs)
-    return docs
+    ``documents`` (``sharding.document_ids(sharding.global_positions(batch))``, what the strategy and the
+    model hooks hand down once per batch) is used as given; otherwise they come from this rank's GLOBAL
+    ``position_ids`` ``(b, s/P)``: ``gather`` builds the ``(b, N)`` positions, one collective per call.
+    ``shape`` is ``(b, N)``. Nothing is remembered between calls."""
+    if documents is not None:
+        if tuple(documents.shape) != shape:
+            raise ValueError(
+                f"documents shape {tuple(documents.shape)} must be (batch, whole sequence) = {shape}: the document ids "
+                "of the WHOLE sequence in global order (sharding.document_ids(sharding.global_positions(batch)))"
+            )
+        return documents
+    if position_ids is None:
+        return None
+    return document_ids(gather(position_ids))
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -38,6 +38,7 @@ Soft-capping lives in the blocks (``block_forward`` / ``block_backward``).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,7 @@ from lightning_longctx.attention.common import (
     check_softcap,
     compute_dtype,
     default_scale,
-    global_docs,
+    documents_of,
     local_heads,
     spread_kv_heads,
 )
@@ -82,15 +83,23 @@ from lightning_longctx.sharding import gather_sequence
 FPDT_BACKENDS = ("auto", "fused", "math")
 
 
+class UnitKind(enum.Enum):
+    """How one kernel call of a block runs."""
+
+    FULL = "full"  # the fused kernel, nothing masked
+    CAUSAL = "causal"  # the fused kernel with the square causal mask of a diagonal block
+    BIAS = "bias"  # the fused kernel with an additive mask (documents, the window, an off-square cut)
+    MATH = "math"  # the math block of kernels.py (soft-capping, math plans, no fused mask op)
+
+
 @dataclass(frozen=True)
 class Unit:
     """One kernel call of block (i, j): q rows ``qs`` and kv rows ``ks`` (slices into the segments),
-    ``kind`` "full" | "causal" (fused, no mask / the square causal mask) | "bias" (fused with an
-    additive mask) | "math" (the math block), and the block's ``mask`` with global offsets."""
+    its :class:`UnitKind`, and the block's ``mask`` with global offsets."""
 
     qs: slice
     ks: slice
-    kind: str
+    kind: UnitKind
     mask: MaskSpec
 
 
@@ -181,9 +190,9 @@ class BlockPlan:
                 out.append((slice(a, a + q1 - q0), slice(b, b + k1 - k0), mask))
         return out
 
-    def _cut(self, q0: int, q1: int, k0: int, k1: int) -> str | None:
-        """How the mask cuts global rows ``[q0, q1)`` x keys ``[k0, k1)``: None (nothing allowed), "full",
-        "causal" (the square causal diagonal) or "bias" (documents, the window, or an off-square cut)."""
+    def _cut(self, q0: int, q1: int, k0: int, k1: int) -> UnitKind | None:
+        """How the mask cuts global rows ``[q0, q1)`` x keys ``[k0, k1)``: None (nothing allowed), FULL,
+        CAUSAL (the square causal diagonal) or BIAS (documents, the window, or an off-square cut)."""
         cut = False
         if self.docs_cpu is not None:
             d = self.docs_cpu
@@ -194,10 +203,10 @@ class BlockPlan:
         if self.sliding_window is not None and q1 - 1 - k0 >= self.sliding_window:
             cut = True
         if cut:
-            return "bias"
+            return UnitKind.BIAS
         if not (self.causal and k1 - 1 > q0):
-            return "full"
-        return "causal" if (q0, q1) == (k0, k1) else "bias"
+            return UnitKind.FULL
+        return UnitKind.CAUSAL if (q0, q1) == (k0, k1) else UnitKind.BIAS
 
     def units(self, i: int, j: int) -> list[Unit]:
         """The kernel calls of block (i, j), the same in forward and backward.
@@ -206,10 +215,10 @@ class BlockPlan:
         whole or cuts only on the causal diagonal; otherwise its tiles, each fused with an additive
         mask (or math when no fused op takes one), tiles the documents empty left out."""
         if self.kernel is None:
-            return [Unit(qs, ks, "math", mask) for qs, ks, mask in self.tiles(i, j)]
+            return [Unit(qs, ks, UnitKind.MATH, mask) for qs, ks, mask in self.tiles(i, j)]
         S = self.seg_len
         kind = self._cut(i * S, (i + 1) * S, j * S, (j + 1) * S)
-        if kind in ("full", "causal"):
+        if kind in (UnitKind.FULL, UnitKind.CAUSAL):
             mask = MaskSpec(
                 causal=self.causal, sliding_window=self.sliding_window, q_start=i * S, k_start=j * S
             )
@@ -220,8 +229,8 @@ class BlockPlan:
             kind = self._cut(q0, i * S + qs.stop, k0, j * S + ks.stop)
             if kind is None:
                 continue
-            if kind == "bias" and self.bias_kernel is None:
-                kind = "math"
+            if kind is UnitKind.BIAS and self.bias_kernel is None:
+                kind = UnitKind.MATH
             out.append(Unit(qs, ks, kind, mask))
         return out
 
@@ -231,13 +240,19 @@ class BlockPlan:
         for i in range(self.num_segments):
             for j in self.cols(i):
                 for unit in self.units(i, j):
-                    kern = {"math": None, "bias": self.bias_kernel}.get(unit.kind, self.kernel)
+                    kern = self.kernel_of(unit)
                     names.add("math" if kern is None else kern.name)
         return names
 
+    def kernel_of(self, unit: Unit) -> FusedKernel | None:
+        """The fused kernel a unit runs on (``None``: the math block)."""
+        return {UnitKind.MATH: None, UnitKind.BIAS: self.bias_kernel}.get(unit.kind, self.kernel)
+
 
 @dataclass(frozen=True)
-class _Config:
+class _FPDTCall:
+    """The settings of one ``fpdt_attention`` call, fixed before the autograd Function runs."""
+
     group: Group
     chunk_size: int
     scale: float
@@ -246,40 +261,171 @@ class _Config:
     softcap: float | None = None
     overlap: bool = True
 
+    @property
+    def ahead(self) -> int:
+        """Segments an all-to-all is started before it is needed (0: just in time)."""
+        return 1 if self.overlap else 0
 
-def _to_heads(x: torch.Tensor, cfg: _Config) -> PendingAllToAll:
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What backward needs to know of the forward's inputs (kept on the autograd context)."""
+
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    heads: int
+    kv_heads: int
+    has_sinks: bool
+
+
+def _chunk(x: torch.Tensor, i: int, c: int) -> torch.Tensor:
+    """Local chunk i, ``(b, c, heads, d)``."""
+    return x[:, i * c : (i + 1) * c]
+
+
+def _to_heads(x: torch.Tensor, call: _FPDTCall) -> PendingAllToAll:
     """(b, c, h, d) local chunk -> (b, P*c, h_r, d) global segment, my heads; ``.wait()`` for it."""
-    return seq_to_head_async(x, cfg.group)
+    return seq_to_head_async(x, call.group)
 
 
-def _to_heads_packed(*xs: torch.Tensor, cfg: _Config) -> PendingAllToAll:
+def _to_heads_packed(*xs: torch.Tensor, call: _FPDTCall) -> PendingAllToAll:
     """:func:`_to_heads` of several chunks (q, k, v of one segment) in ONE all-to-all; ``.wait()`` -> list."""
-    return seq_to_head_packed_async(*xs, group=cfg.group)
+    return seq_to_head_packed_async(*xs, group=call.group)
 
 
-def _to_seq(x: torch.Tensor, num_heads: int, cfg: _Config) -> PendingAllToAll:
+def _to_seq(x: torch.Tensor, num_heads: int, call: _FPDTCall) -> PendingAllToAll:
     """(b, P*c, h_r, d) -> (b, c, num_heads, d); inverse of :func:`_to_heads`."""
-    return head_to_seq_async(x, num_heads, cfg.group)
+    return head_to_seq_async(x, num_heads, call.group)
+
+
+class _ForwardExchange:
+    """The forward's seq->head all-to-alls, in the order the segments need them, each started
+    ``call.ahead`` segments early. Causal: segment i needs kv segments j <= i, so q, k, v of a segment
+    travel in ONE packed all-to-all; otherwise every kv segment first (k and v together), then each q.
+    (A packed receive is copied out per tensor: q_i does not keep k_i and v_i alive once offloaded.)"""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _FPDTCall) -> None:
+        self.q, self.k, self.v, self.call = q, k, v, call
+        self.num_segments = call.plan.num_segments
+        c = call.chunk_size
+        self._kv = (
+            []
+            if call.plan.causal
+            else [
+                _to_heads_packed(_chunk(k, j, c), _chunk(v, j, c), call=call)
+                for j in range(self.num_segments)
+            ]
+        )
+        self._pending: dict[int, PendingAllToAll] = {}
+        self._launched = 0
+        self._launch_upto(1 + call.ahead)
+
+    def _launch_upto(self, n: int) -> None:
+        c, call = self.call.chunk_size, self.call
+        for i in range(self._launched, min(n, self.num_segments)):
+            if call.plan.causal:
+                parts = (_chunk(self.q, i, c), _chunk(self.k, i, c), _chunk(self.v, i, c))
+                self._pending[i] = _to_heads_packed(*parts, call=call)
+            else:
+                self._pending[i] = _to_heads(_chunk(self.q, i, c), call)
+        self._launched = max(self._launched, min(n, self.num_segments))
+
+    def all_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Non-causal: every kv segment ``(k_j, v_j)``, each ``(b, S, h_kv_r, d)``."""
+        return [tuple(p.wait()) for p in self._kv]  # type: ignore[misc]
+
+    def segment(self, i: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``q_i`` ``(b, S, h_r, d)`` and, causal, ``(k_i, v_i)``; the next segment then starts to travel."""
+        self._launch_upto(i + 1)
+        got = self._pending.pop(i).wait()
+        self._launch_upto(i + 1 + self.call.ahead)  # the next segment travels while this one computes
+        if self.call.plan.causal:
+            q_i, k_i, v_i = got
+            return q_i, (k_i, v_i)
+        return got, None
+
+
+class _DoutExchange:
+    """The backward's dout segments (the backward of head_to_seq), each started ``call.ahead`` segments
+    before its first use (ascending i), and the per-row ``delta = rowsum(dout * out)``; dropped once
+    the segment's dq is final."""
+
+    def __init__(self, grad: torch.Tensor, call: _FPDTCall, compute: torch.dtype) -> None:
+        self.grad, self.call, self.compute = grad, call, compute
+        self._pending: dict[int, PendingAllToAll] = {}
+        self._douts: dict[int, torch.Tensor] = {}
+        self._deltas: dict[int, torch.Tensor] = {}
+
+    def dout(self, i: int) -> torch.Tensor:
+        """``(b, S, h_r, d)``: segment i of the output gradient, my heads."""
+        c, u = self.call.chunk_size, self.call.plan.num_segments
+        for n in range(i, min(u, i + 1 + self.call.ahead)):
+            if n not in self._pending and n not in self._douts:
+                self._pending[n] = _to_heads(_chunk(self.grad, n, c), self.call)
+        if i not in self._douts:
+            self._douts[i] = self._pending.pop(i).wait()
+        return self._douts[i]
+
+    def delta(self, i: int, out_i: torch.Tensor) -> torch.Tensor:
+        """``(b, h_r, S)`` rowsum(dout * out) for the math blocks and the sinks (the fused ops take out)."""
+        if i not in self._deltas:
+            ct = self.compute
+            self._deltas[i] = (self.dout(i).to(ct) * out_i.to(ct)).sum(-1).transpose(1, 2).contiguous()
+        return self._deltas[i]
+
+    def drop(self, i: int) -> None:
+        self._douts.pop(i, None)
+        self._deltas.pop(i, None)
 
 
 def _unit_forward(
-    unit: Unit, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: _Config
+    unit: Unit, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _FPDTCall
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (b, |qs|, h_r, d) fp32/fp64, lse (b, h_r, |qs|)) of one unit of a block."""
     qb, kb, vb = q[:, unit.qs], k[:, unit.ks], v[:, unit.ks]
-    if unit.kind == "math":
-        return block_forward(qb, kb, vb, scale=cfg.scale, mask=unit.mask, softcap=cfg.softcap)
-    kern, bias = _fused_args(unit, qb, kb, cfg)
-    return fused.block_forward(kern, qb, kb, vb, scale=cfg.scale, causal=unit.kind == "causal", bias=bias)
+    if unit.kind is UnitKind.MATH:
+        return block_forward(qb, kb, vb, scale=call.scale, mask=unit.mask, softcap=call.softcap)
+    kern, bias = _fused_args(unit, qb, kb, call)
+    return fused.block_forward(
+        kern, qb, kb, vb, scale=call.scale, causal=unit.kind is UnitKind.CAUSAL, bias=bias
+    )
+
+
+def _unit_backward(
+    unit: Unit,
+    i: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    douts: _DoutExchange,
+    call: _FPDTCall,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq (b, |qs|, h_r, d), dk, dv (b, |ks|, h_kv_r, d)) of one unit of block (i, j), recomputed from
+    q segment i's FINAL ``out`` ``(b, S, h_r, d)`` and ``lse`` ``(b, h_r, S)`` (all kv blocks, sinks)."""
+    qs, ks = unit.qs, unit.ks
+    dout = douts.dout(i)[:, qs]
+    if unit.kind is UnitKind.MATH:
+        return block_backward(
+            dout, q[:, qs], k[:, ks], v[:, ks], lse[:, :, qs], douts.delta(i, out)[:, :, qs],
+            scale=call.scale, mask=unit.mask, softcap=call.softcap,
+        )  # fmt: skip
+    kern, bias = _fused_args(unit, q[:, qs], k[:, ks], call)
+    return fused.block_backward(
+        kern, dout, q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs],
+        scale=call.scale, causal=unit.kind is UnitKind.CAUSAL, bias=bias,
+    )  # fmt: skip
 
 
 def _fused_args(
-    unit: Unit, q: torch.Tensor, k: torch.Tensor, cfg: _Config
+    unit: Unit, q: torch.Tensor, k: torch.Tensor, call: _FPDTCall
 ) -> tuple[Any, torch.Tensor | None]:
-    if unit.kind != "bias":
-        return cfg.plan.kernel, None
-    dtype = common_dtype(q, k)
-    return cfg.plan.bias_kernel, additive_mask(unit.mask, q.shape[1], k.shape[1], dtype, q.device)
+    """The fused kernel of a unit and its additive mask (BIAS units only)."""
+    kern = call.plan.kernel_of(unit)
+    if unit.kind is not UnitKind.BIAS:
+        return kern, None
+    return kern, additive_mask(unit.mask, q.shape[1], k.shape[1], common_dtype(q, k), q.device)
 
 
 class _SegmentAcc:
@@ -336,69 +482,31 @@ class _FPDTAttention(torch.autograd.Function):
         k: torch.Tensor,
         v: torch.Tensor,
         sinks: torch.Tensor | None,
-        cfg: _Config,
+        call: _FPDTCall,
     ) -> torch.Tensor:
         """``sinks``: ``(h_r,)`` the sinks of this rank's heads, or ``None``."""
-        c, plan = cfg.chunk_size, cfg.plan
+        plan = call.plan
         u, S = plan.num_segments, plan.seg_len
         sink = None if sinks is None else sinks.detach().to(compute_dtype(q.dtype))  # (h_r,)
-        store = ChunkStore(offload=cfg.offload, device=q.device)
-
-        # All-to-alls in the order they are needed, started `ahead` segments early (overlap) or
-        # just in time. Causal: segment i needs kv segments j <= i, so q, k, v of a segment travel in ONE
-        # all-to-all; otherwise every kv segment first (k and v together), then each q. (A packed receive
-        # is copied out per tensor: q_i does not keep k_i and v_i alive once they are offloaded.)
-        pend_kv: dict[int, PendingAllToAll] = {}  # .wait() -> [k_j, v_j] or [q_j, k_j, v_j]
-        pend_q: dict[int, PendingAllToAll] = {}
-        launched = 0
-
-        def chunk_of(x: torch.Tensor, j: int) -> torch.Tensor:
-            return x[:, j * c : (j + 1) * c]
-
-        def launch_kv(j: int) -> None:
-            pend_kv[j] = _to_heads_packed(chunk_of(k, j), chunk_of(v, j), cfg=cfg)
-
-        def take_kv(j: int) -> None:
-            k_j, v_j = pend_kv.pop(j).wait()[-2:]
+        store = ChunkStore(offload=call.offload, device=q.device)
+        exchange = _ForwardExchange(q, k, v, call)
+        for j, (k_j, v_j) in enumerate(exchange.all_kv()):  # non-causal: every kv segment first
             store.put(("k", j), k_j)  # (b, S, h_kv_r, d)
             store.put(("v", j), v_j)
-
-        def launch_upto(n: int) -> None:
-            nonlocal launched
-            for i in range(launched, min(n, u)):
-                if plan.causal:
-                    pend_q[i] = pend_kv[i] = _to_heads_packed(
-                        chunk_of(q, i), chunk_of(k, i), chunk_of(v, i), cfg=cfg
-                    )
-                else:
-                    pend_q[i] = _to_heads(chunk_of(q, i), cfg)
-            launched = max(launched, min(n, u))
-
-        ahead = 1 if cfg.overlap else 0
-        if not plan.causal:
-            for j in range(u):
-                launch_kv(j)
-        launch_upto(1 + ahead)
-        if not plan.causal:
-            for j in range(u):
-                take_kv(j)
         kv_stream = store.pipeline([(("k", j), ("v", j)) for i in range(u) for j in plan.cols(i)])
         outs: list[torch.Tensor] = []
         pend_out: PendingAllToAll | None = None
         for i in range(u):
-            launch_upto(i + 1)
-            if plan.causal:
-                take_kv(i)
-            q_i = pend_q.pop(i).wait()  # (b, S, h_r, d): segment i, my heads
-            if plan.causal:
-                q_i = q_i[0]  # [q_i, k_i, v_i] of one packed all-to-all
-            launch_upto(i + 1 + ahead)  # the next segment travels while this one computes
+            q_i, kv_i = exchange.segment(i)  # (b, S, h_r, d): segment i, my heads
+            if kv_i is not None:  # causal: k_i, v_i came with q_i
+                store.put(("k", i), kv_i[0])
+                store.put(("v", i), kv_i[1])
             store.put(("q", i), q_i)
             acc = _SegmentAcc(S)
             for j in plan.cols(i):
                 k_j, v_j = next(kv_stream)
                 for unit in plan.units(i, j):
-                    acc.add(unit.qs, *_unit_forward(unit, q_i, k_j, v_j, cfg))  # fp32 online softmax
+                    acc.add(unit.qs, *_unit_forward(unit, q_i, k_j, v_j, call))  # fp32 online softmax
                 del k_j, v_j  # drop before the next fetch: double buffer
             out_i, lse_i = acc.out, acc.lse
             assert out_i is not None and lse_i is not None  # the diagonal block is always live
@@ -409,68 +517,47 @@ class _FPDTAttention(torch.autograd.Function):
             store.put(("lse", i), lse_i)  # (b, h_r, S) fp32
             if pend_out is not None:
                 outs.append(pend_out.wait())
-            pend_out = _to_seq(out_i, q.shape[2], cfg)  # back to local chunk i (b, c, h, d), in flight
-            if not cfg.overlap:
+            pend_out = _to_seq(out_i, q.shape[2], call)  # back to local chunk i (b, c, h, d), in flight
+            if not call.overlap:
                 outs.append(pend_out.wait())
                 pend_out = None
-            del q_i, acc, out_i, lse_i
+            del q_i, kv_i, acc, out_i, lse_i
         if pend_out is not None:
             outs.append(pend_out.wait())
         tail = [] if sinks is None else [sinks]  # saved as an input: in-place edits before backward raise
-        if cfg.offload:
+        if call.offload:
             ctx.store = store
             ctx.save_for_backward(*tail)
         else:
             ctx.keys, tensors = store.saved()
             ctx.save_for_backward(*tensors, *tail)
-        ctx.cfg = cfg
-        ctx.meta = (q.dtype, k.dtype, q.shape[2], k.shape[2], sinks is not None)
+        ctx.call = call
+        ctx.inputs = _Inputs(q.dtype, k.dtype, q.shape[2], k.shape[2], sinks is not None)
         return torch.cat(outs, dim=1)
 
     @staticmethod
     def backward(
         ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
-        cfg: _Config = ctx.cfg
-        plan, c = cfg.plan, cfg.chunk_size
+        call: _FPDTCall = ctx.call
+        inputs: _Inputs = ctx.inputs
+        plan = call.plan
         u, S = plan.num_segments, plan.seg_len
-        q_dtype, kv_dtype, h, h_kv, has_sinks = ctx.meta
         saved = list(ctx.saved_tensors)
-        sinks = saved.pop() if has_sinks else None
-        if cfg.offload:
-            store = ctx.store
-        else:
-            store = ChunkStore.restore(ctx.keys, saved, grad.device)
-        ct = compute_dtype(q_dtype)
+        sinks = saved.pop() if inputs.has_sinks else None
+        store = ctx.store if call.offload else ChunkStore.restore(ctx.keys, saved, grad.device)
+        ct = compute_dtype(inputs.q_dtype)
         sink = None if sinks is None else sinks.to(ct)
         dsink = None if sink is None else torch.zeros_like(sink)
 
-        # The access order of the whole backward, so each fetch is prefetched one step ahead.
+        # The access order of the whole backward (kv outer, the q segments it reaches inner), so each fetch
+        # is prefetched one step ahead.
         steps: list[tuple[tuple[str, int], ...]] = []
         for j in range(u):
             steps.append((("k", j), ("v", j)))
             steps.extend((("q", i), ("out", i), ("lse", i)) for i in plan.rows(j))
         stream = store.pipeline(steps)
-
-        # dout segments: the backward of head_to_seq, started one ahead of first use (ascending i).
-        pend_dout: dict[int, PendingAllToAll] = {}
-        douts: dict[int, torch.Tensor] = {}
-        deltas: dict[int, torch.Tensor] = {}
-        ahead = 1 if cfg.overlap else 0
-
-        def dout_of(i: int) -> torch.Tensor:
-            for n in range(i, min(u, i + 1 + ahead)):
-                if n not in pend_dout and n not in douts:
-                    pend_dout[n] = _to_heads(grad[:, n * c : (n + 1) * c], cfg)
-            if i not in douts:
-                douts[i] = pend_dout.pop(i).wait()  # (b, S, h_r, d)
-            return douts[i]
-
-        def delta_of(i: int, out_i: torch.Tensor) -> torch.Tensor:
-            """rowsum(dout * out) ``(b, h_r, S)`` for the math blocks and the sinks (fused ops take out)."""
-            if i not in deltas:
-                deltas[i] = (dout_of(i).to(ct) * out_i.to(ct)).sum(-1).transpose(1, 2).contiguous()
-            return deltas[i]
+        douts = _DoutExchange(grad, call, ct)
 
         last_col = [max(plan.cols(i)) for i in range(u)]  # dq_i is final after this kv segment
         dq_acc: list[torch.Tensor | None] = [None] * u
@@ -484,63 +571,37 @@ class _FPDTAttention(torch.autograd.Function):
             dv_acc: torch.Tensor | None = None
             for i in plan.rows(j):
                 q_i, out_i, lse_i = next(stream)
-                dout_i = dout_of(i)
+                douts.dout(i)  # this row's dout (and the next one's all-to-all) before it computes
                 if dsink is not None and sink is not None and i == j:  # once per q segment (diagonal)
-                    dsink += sink_grad(lse_i.to(ct), delta_of(i, out_i), sink)
+                    dsink += sink_grad(lse_i.to(ct), douts.delta(i, out_i), sink)
                 for unit in plan.units(i, j):
-                    qs, ks = unit.qs, unit.ks
-                    if unit.kind == "math":
-                        dq, dk, dv = block_backward(
-                            dout_i[:, qs],
-                            q_i[:, qs],
-                            k_j[:, ks],
-                            v_j[:, ks],
-                            lse_i[:, :, qs],
-                            delta_of(i, out_i)[:, :, qs],
-                            scale=cfg.scale,
-                            mask=unit.mask,
-                            softcap=cfg.softcap,
-                        )
-                    else:
-                        kern, bias = _fused_args(unit, q_i[:, qs], k_j[:, ks], cfg)
-                        dq, dk, dv = fused.block_backward(
-                            kern,
-                            dout_i[:, qs],
-                            q_i[:, qs],
-                            k_j[:, ks],
-                            v_j[:, ks],
-                            out_i[:, qs],
-                            lse_i[:, :, qs],
-                            scale=cfg.scale,
-                            causal=unit.kind == "causal",
-                            bias=bias,
-                        )
-                    dq_acc[i] = _accumulate(dq_acc[i], qs, S, dq)
-                    dk_acc = _accumulate(dk_acc, ks, S, dk)
-                    dv_acc = _accumulate(dv_acc, ks, S, dv)
+                    dq, dk, dv = _unit_backward(unit, i, q_i, k_j, v_j, out_i, lse_i, douts, call)
+                    dq_acc[i] = _accumulate(dq_acc[i], unit.qs, S, dq)
+                    dk_acc = _accumulate(dk_acc, unit.ks, S, dk)
+                    dv_acc = _accumulate(dv_acc, unit.ks, S, dv)
                 del q_i, out_i, lse_i
             del k_j, v_j
             assert dk_acc is not None and dv_acc is not None  # the diagonal block is always live
             for pending in in_flight:  # the previous segment's gradients travelled during this one
                 pending.wait()
+            kv_dtype, h_kv = inputs.kv_dtype, inputs.kv_heads
             dkv = head_to_seq_packed_async(
-                [dk_acc.to(kv_dtype), dv_acc.to(kv_dtype)], [h_kv, h_kv], cfg.group
+                [dk_acc.to(kv_dtype), dv_acc.to(kv_dtype)], [h_kv, h_kv], call.group
             )
             dkv_parts.append(dkv)  # backward of the packed seq_to_head
             in_flight = [dkv]
             for i in range(u):
-                if last_col[i] == j:
+                if last_col[i] == j:  # dq_i is final: it leaves now
                     acc_i = dq_acc[i]
                     assert acc_i is not None
-                    dq_parts[i] = _to_seq(acc_i.to(q_dtype), h, cfg)
+                    dq_parts[i] = _to_seq(acc_i.to(inputs.q_dtype), inputs.heads, call)
                     in_flight.append(dq_parts[i])
                     dq_acc[i] = None
-                    douts.pop(i, None)  # dout_i is not needed any more
-                    deltas.pop(i, None)
-            if not cfg.overlap:
+                    douts.drop(i)
+            if not call.overlap:
                 for pending in in_flight:
                     pending.wait()
-        if cfg.offload:
+        if call.offload:
             store.release()  # host buffers go now, not when the graph is dropped
             ctx.store = None
         dsinks = None if dsink is None or sinks is None else dsink.to(sinks.dtype)
@@ -554,23 +615,24 @@ class _FPDTAttention(torch.autograd.Function):
 
 
 def _global_docs(
-    position_ids: torch.Tensor | None, shape: tuple[int, int], chunk_size: int, group: Group
+    position_ids: torch.Tensor | None,
+    documents: torch.Tensor | None,
+    shape: tuple[int, int],
+    chunk_size: int,
+    group: Group,
 ) -> torch.Tensor | None:
-    """Document ids ``(b, N)`` in global order from FPDT-layout GLOBAL position ids, or None (one doc)."""
-    if position_ids is None:
-        return None
-    if tuple(position_ids.shape) != shape:
+    """Document ids ``(b, N)`` in global order: ``documents`` as given, or from FPDT-layout GLOBAL position
+    ids (one all-gather), or None (one document). ``shape`` is the local ``(batch, seq)``."""
+    if position_ids is not None and tuple(position_ids.shape) != shape:
         raise ValueError(
             f"position_ids shape {tuple(position_ids.shape)} must be (batch, local seq) = {shape}, in the FPDT "
             "layout of shard_batch(..., chunk_size=chunk_size)"
         )
-    # one all_gather per batch (remembered per position_ids tensor), not one per layer. One chunk per rank IS
-    # the contiguous layout: the same memo entry as Ulysses' (the memo keeps one entry per tensor, so two
-    # layout keys for one tensor would evict each other and gather twice per layer)
-    return global_docs(
+    _, world = group_rank_size(group)
+    return documents_of(
         position_ids,
-        group=group,
-        layout=None if chunk_size == shape[1] else chunk_size,
+        documents,
+        shape=(shape[0], shape[1] * world),
         gather=lambda p: gather_sequence(p, group=group, chunk_size=chunk_size),  # (b, N), global order
     )
 
@@ -592,6 +654,7 @@ def fpdt_attention(
     sinks: torch.Tensor | None = None,
     block_size: int = 1024,
     overlap: bool = True,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence in FPDT's strided layout, computed one chunk pair at a time.
 
@@ -602,7 +665,11 @@ def fpdt_attention(
             ``h_kv < P`` replicates kv heads.
         chunk_size: tokens per chunk per rank; must divide the local length.
         position_ids: ``(b, u*c)`` GLOBAL positions in the same layout; a reset to 0 starts a new packed
-            document and attention never crosses documents. ``None``: one document.
+            document and attention never crosses documents. ``None``: one document. Costs one all-gather
+            per call; ``documents`` costs none.
+        documents: ``(b, N)`` document ids of the WHOLE sequence in global order (not the FPDT layout),
+            computed once per batch where it is sharded: ``document_ids(global_positions(batch, ...))``
+            (``sharding.py``). Given, ``position_ids`` are not read.
         offload: keep per-chunk q/k/v/out/lse in (pinned) host memory and prefetch them back on a side
             stream; results are bit-identical to ``offload=False``.
         backend: ``"auto"``: a fused block kernel that returns the log-sum-exp where one passed its
@@ -657,7 +724,7 @@ def fpdt_attention(
         raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
     _, world = group_rank_size(group)
     k, v = spread_kv_heads(k, v, h, world)  # outside the Function: autograd sums the replicas' grads
-    docs = _global_docs(position_ids, (b, local), chunk_size, group)
+    docs = _global_docs(position_ids, documents, (b, local), chunk_size, group)
     kernel = bias_kernel = None
     if backend != "math" and softcap is None:
         kernel = fused_kernel(q.device, common_dtype(q, k))
@@ -678,6 +745,6 @@ def fpdt_attention(
         kernel=kernel,
         bias_kernel=bias_kernel,
     )
-    cfg = _Config(group, chunk_size, default_scale(d, softmax_scale), plan, offload, softcap, overlap)
+    call = _FPDTCall(group, chunk_size, default_scale(d, softmax_scale), plan, offload, softcap, overlap)
     my_sinks = None if sinks is None else sinks[local_heads(h, group)]  # (h_r,); autograd scatters its grad
-    return _FPDTAttention.apply(q, k, v, my_sinks, cfg)
+    return _FPDTAttention.apply(q, k, v, my_sinks, call)

@@ -4,7 +4,8 @@ Each of the P ranks of ``group`` holds a contiguous 1/P of the sequence. One all
 "my tokens, all heads" of q, k and v together (one packed buffer, GQA k/v with fewer heads
 included) into "all tokens, my heads", the local kernel attends over the whole sequence, and a
 second all-to-all turns the result back: two collectives forward, two backward. Packed documents:
-the position ids are gathered once per batch (``common.global_docs``), not once per layer.
+``documents`` computed once per batch where it is sharded (the strategy and the model hooks pass them);
+without them, the position ids are all-gathered once per call.
 
 No ``(N, N)`` mask or score matrix: with ``backend="auto"`` and no flash-attn (which takes packed
 documents and windows natively), a call that SDPA could only run with a dense ``(N, N)`` boolean mask
@@ -23,25 +24,13 @@ from lightning_longctx.attention.common import (
     check_sinks,
     check_softcap,
     default_scale,
-    global_docs,
+    documents_of,
     local_heads,
     spread_kv_heads,
 )
 from lightning_longctx.attention.fpdt import fpdt_attention
 from lightning_longctx.attention.kernels import KERNELS, resolve_backend
 from lightning_longctx.comm import Group, all_gather_no_grad, group_rank_size, head_to_seq, seq_to_head_packed
-
-
-def global_mask(
-    position_ids: torch.Tensor | None, *, causal: bool, sliding_window: int | None, group: Group
-) -> MaskSpec:
-    """The mask of the gathered sequence; ``position_ids`` ``(b, s/P)`` are GLOBAL, contiguous layout."""
-    docs = None
-    if position_ids is not None:  # one all_gather per batch (remembered per tensor), not per layer
-        docs = global_docs(
-            position_ids, group=group, layout=None, gather=lambda p: all_gather_no_grad(p, group, dim=1)
-        )  # (b, N), rank order = sequence order
-    return MaskSpec(causal=causal, sliding_window=sliding_window, q_doc=docs, k_doc=docs)
 
 
 def ulysses_attention(
@@ -57,6 +46,7 @@ def ulysses_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded contiguously over ``group``.
 
@@ -64,7 +54,11 @@ def ulysses_attention(
         q: ``(b, s/P, h, d)`` local queries (rank r holds tokens ``[r*s/P, (r+1)*s/P)``).
         k, v: ``(b, s/P, h_kv, d)``; ``h % h_kv == 0``. Any ``h`` works with any P (uneven split).
         position_ids: ``(b, s/P)`` GLOBAL positions; a reset to 0 starts a new packed document and
-            attention never crosses documents. ``None``: one document.
+            attention never crosses documents. ``None``: one document. Costs one all-gather per call;
+            ``documents`` costs none.
+        documents: ``(b, N)`` document ids of the WHOLE sequence in global order, computed once per batch
+            where it is sharded: ``document_ids(global_positions(batch))`` (``sharding.py``; ``None`` there
+            means one document). Given, ``position_ids`` are not read.
         sliding_window: attend only to the last ``sliding_window`` tokens (incl. itself), as HF.
         softcap: ``c > 0``: scores become ``c * tanh(scores / c)`` before the mask (Gemma-2); needs a
             kernel that applies it ("auto": flash, else FPDT's blocks; "math" by name).
@@ -83,11 +77,18 @@ def ulysses_attention(
     check_sinks(sinks, q)
     _, world = group_rank_size(group)
     kernel = resolve_backend(backend, softcap=softcap, sinks=sinks is not None)
-    mask = global_mask(position_ids, causal=causal, sliding_window=sliding_window, group=group)
-    dense = mask.q_doc is not None or sliding_window is not None or softcap or sinks is not None
+    b, local = q.shape[:2]
+    docs = documents_of(
+        position_ids,
+        documents,
+        shape=(b, local * world),
+        gather=lambda p: all_gather_no_grad(p, group, dim=1),
+    )  # (b, N), rank order = sequence order
+    mask = MaskSpec(causal=causal, sliding_window=sliding_window, q_doc=docs, k_doc=docs)
+    dense = docs is not None or sliding_window is not None or softcap or sinks is not None
     if backend == "auto" and kernel is not KERNELS["flash"] and dense:  # the same on every rank (global docs)
-        return fpdt_attention(q, k, v, group=group, chunk_size=q.shape[1], causal=causal, softmax_scale=softmax_scale,
-                              position_ids=position_ids, sliding_window=sliding_window, softcap=softcap, sinks=sinks)  # fmt: skip
+        return fpdt_attention(q, k, v, group=group, chunk_size=local, causal=causal, softmax_scale=softmax_scale,
+                              documents=docs, sliding_window=sliding_window, softcap=softcap, sinks=sinks)  # fmt: skip
     h = q.shape[2]
     k, v = spread_kv_heads(k, v, h, world)
     # ONE all-to-all for q, k and v: (b, s, h_r, d) each, all tokens, my heads

@@ -16,15 +16,13 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_longctx.comm import group_rank_size
-
-if TYPE_CHECKING:
-    from lightning_longctx.integrations.transformers import SequenceParallelContext
+from lightning_longctx.integrations.context import SequenceParallelContext
 
 #: ``config.layer_types`` entries whose mask sequence-parallel attention expresses exactly.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -281,7 +279,8 @@ class SequenceParallelMask:
 
 
 class PositionsHook:
-    """Forward hooks on a patched model: keep the GLOBAL position ids of the call in progress on its context.
+    """Forward hooks on a patched model: keep the GLOBAL position ids of the call in progress on its context,
+    and the batch they belong to (``SequenceParallelContext.record_positions``: its documents).
 
     A class rather than closures, so that pickling a patched model reaches the context's clear refusal."""
 
@@ -293,7 +292,10 @@ class PositionsHook:
         pos = kwargs.get("position_ids")
         if pos is None and self.index is not None and len(args) > self.index:
             pos = args[self.index]
-        self.context.call_position_ids = pos if isinstance(pos, torch.Tensor) else None
+        pos = pos if isinstance(pos, torch.Tensor) else None
+        self.context.call_position_ids = pos
+        if pos is not None:  # the batch's documents, once per call (nothing to do for the strategy's batch)
+            self.context.record_positions(pos)
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         self.context.call_position_ids = None
@@ -346,23 +348,13 @@ def resolve_sliding_window(kwarg: int | None, pattern: MaskPattern | None, name:
     return pattern.sliding_window
 
 
-def global_token_index(ctx: SequenceParallelContext, local: int, device: torch.device) -> torch.Tensor:
-    """(s/P,) global token index of each local token in this rank's layout (``shard_batch``'s)."""
-    rank, world = group_rank_size(ctx.group)
-    t = torch.arange(local, device=device)
-    if ctx.mode == "ulysses":
-        return rank * local + t
-    c = min(ctx.chunk_size, local)  # FPDT: rank r holds chunks r, r+P, ... of c tokens
-    return (t // c * world + rank) * c + t % c
-
-
 def chunk_positions(
     ctx: SequenceParallelContext, position_ids: torch.Tensor | None, chunk: int, q: torch.Tensor
 ) -> torch.Tensor:
     """Position ids for the kernels that restart at 0 at every chunk boundary: our kernels' documents are
     runs between resets, so each chunk of each document becomes one (causal inside, nothing across)."""
     if position_ids is None:  # one document: positions are global token indices
-        position_ids = global_token_index(ctx, q.shape[1], q.device)[None].expand(q.shape[0], -1)
+        position_ids = ctx.global_index(q.shape[1], q.device)[None].expand(q.shape[0], -1)
     return position_ids % chunk
 
 
@@ -379,5 +371,5 @@ def llama4_query_temperature(
         return torch.log1p(torch.floor((index.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
 
     local = torch.arange(q.shape[1], device=q.device)
-    ratio = scale(global_token_index(ctx, q.shape[1], q.device)) / scale(local)
+    ratio = scale(ctx.global_index(q.shape[1], q.device)) / scale(local)
     return (q * ratio[None, :, None, None]).to(q.dtype)

@@ -14,7 +14,7 @@ return a :class:`MaskPattern` — causal, sliding window W, chunks of C, or bidi
 never an O(s²) mask — which transformers hands to our attention function as ``attention_mask``.
 Anything else is refused with an error, never dropped.
 
-State lives in one place: the model's :class:`SequenceParallelContext`, held by the functions
+State lives in one place: the model's ``SequenceParallelContext`` (``context.py``), held by the functions
 registered under the model's key (the model itself keeps only the key string in its config, two
 forward hooks, plus instance overrides of ``loss_function`` and, in FPDT mode, ``forward``).
 :func:`disable_sequence_parallel` restores the model and unregisters the key.
@@ -27,7 +27,6 @@ import functools
 import inspect
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,8 +34,10 @@ from torch import nn
 
 from lightning_longctx.attention.fpdt import fpdt_attention
 from lightning_longctx.attention.ulysses import ulysses_attention
-from lightning_longctx.comm import Group
-from lightning_longctx.integrations.lm_head import ChunkedHead, read_chunked_head
+from lightning_longctx.comm import Group, group_rank_size
+from lightning_longctx.config import MODES, ResolvedConfig, SequenceParallelConfig
+from lightning_longctx.integrations.context import SequenceParallelContext
+from lightning_longctx.integrations.lm_head import read_chunked_head
 from lightning_longctx.integrations.masks import (
     PositionsHook,
     SequenceParallelMask,
@@ -46,52 +47,11 @@ from lightning_longctx.integrations.masks import (
     pattern_of,
     resolve_sliding_window,
 )
-from lightning_longctx.integrations.moe import MoEAuxLossPlan, moe_aux_loss_plan
+from lightning_longctx.integrations.moe import moe_aux_loss_plan
 from lightning_longctx.loss import sequence_parallel_cross_entropy
 from lightning_longctx.sharding import IGNORE_INDEX
 
-MODES = ("ulysses", "fpdt")
 _UNSET = object()
-
-
-@dataclass(eq=False)
-class SequenceParallelContext:
-    """Settings of one patched model, what :func:`disable_sequence_parallel` restores, and the counters
-    the strategy's guardrails read.
-
-    ``chunk_size`` is the configured FPDT chunk (tokens per rank); a call whose local sequence is
-    shorter uses one chunk of its length (``shard_batch`` pads to ``P * min(chunk_size, N/P)``).
-    ``call_position_ids`` are the GLOBAL ``position_ids`` of the forward call in progress (set and
-    cleared by hooks on the model; the mask function copies them into the :class:`MaskPattern` it
-    returns, for models that do not pass them on to attention, such as Llama-4).
-
-    A deep copy of a patched model shares its context (same group, same settings); pickling one is
-    refused, since the process group cannot travel: unpatch it first.
-    """
-
-    group: Group
-    mode: str
-    chunk_size: int | None
-    offload: bool
-    backend: str
-    loss_chunk_size: int | None
-    model_name: str = ""
-    key: str = ""
-    num_attention_layers: int = 0
-    attention_calls: int = 0
-    lm_head: ChunkedHead | None = None  # FPDT mode: read at patch time
-    moe_plan: MoEAuxLossPlan | None = None  # the model's in-forward load-balancing loss, if any
-    call_position_ids: torch.Tensor | None = None
-    restore: dict[str, Any] = field(default_factory=dict)  # the model's settings before patching
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> SequenceParallelContext:
-        return self
-
-    def __reduce__(self) -> Any:
-        raise TypeError(
-            "a sequence-parallel model holds its process group and cannot be pickled; call "
-            "lightning_longctx.disable_sequence_parallel(model) first (state_dict() always works)"
-        )
 
 
 class _SequenceParallelAttention:
@@ -149,6 +109,7 @@ def _hf_attention(
     if position_ids is None and pattern is not None:  # models that keep them from attention (Llama-4)
         position_ids = pattern.position_ids
     q, k, v = (x.transpose(1, 2) for x in (query, key_states, value))  # (b, s, h, d)
+    known, documents = ctx.documents_for(position_ids)  # the batch's, computed once per batch
     if position_ids is not None:
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
@@ -158,16 +119,22 @@ def _hf_attention(
     sliding_window = resolve_sliding_window(sliding_window, pattern, name)
     if pattern is not None and pattern.chunk is not None:
         position_ids = chunk_positions(ctx, position_ids, pattern.chunk, q)
+        if known:
+            documents = ctx.positions.documents(pattern.chunk)
+    if documents is not None and documents.shape[0] != q.shape[0]:  # 1-D / one-row positions, as HF allows
+        documents = documents.expand(q.shape[0], -1)
+    cfg = ctx.config
     common = dict(
-        group=ctx.group, causal=causal, softmax_scale=scaling, position_ids=position_ids, backend=ctx.backend
-    )
+        group=ctx.group, causal=causal, softmax_scale=scaling, backend=cfg.settings.attention_backend,
+        documents=documents, position_ids=None if known else position_ids,  # known: nothing to gather
+    )  # fmt: skip
     # gpt-oss passes its sinks as s_aux (num_heads,): whole, each rank takes its own heads' slice
     features = dict(sliding_window=sliding_window, softcap=softcap or None, sinks=kwargs.get("s_aux"))
-    if ctx.mode == "ulysses":
+    chunk = ctx.local_chunk(q.shape[1])  # short sequences: one chunk of their local length
+    if chunk is None:
         out = ulysses_attention(q, k, v, **features, **common)
     else:
-        chunk = min(ctx.chunk_size, q.shape[1])  # short sequences: one chunk of their local length
-        out = fpdt_attention(q, k, v, chunk_size=chunk, offload=ctx.offload, **features, **common)
+        out = fpdt_attention(q, k, v, chunk_size=chunk, offload=cfg.offload, **features, **common)
     ctx.attention_calls += 1
     return out, None
 
@@ -248,7 +215,7 @@ def _chunked_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         shift_labels,
         bias=lm_head.bias,
         group=ctx.group,
-        chunk_size=ctx.loss_chunk_size,
+        chunk_size=ctx.config.settings.loss_chunk_size,
         logit_scale=head.logit_scale,
         softcap=head.softcap,
     )
@@ -345,13 +312,16 @@ def enable_sequence_parallel(
     backend: str = "auto",
     mlp_chunk_size: int | None = None,
     loss_chunk_size: int | None = None,
+    config: ResolvedConfig | None = None,
 ) -> nn.Module:
     """Make a Hugging Face model sequence-parallel over ``group``, in place; returns the model.
 
     ``mode="ulysses"``: Ulysses attention. ``mode="fpdt"``: FPDT attention with ``chunk_size`` tokens
     per chunk per rank, plus the MLPs tiled along the sequence (``mlp_chunk_size``, default
     ``chunk_size``) and a chunked lm_head + loss (``loss_chunk_size``, default: 128 MiB fp32 logits blocks,
-    ``chunked_loss.default_loss_chunk_size`` of the vocabulary).
+    ``chunked_loss.default_loss_chunk_size`` of the vocabulary). ``offload``: FPDT's chunks in host memory.
+    Or ``config``: a :class:`~lightning_longctx.config.ResolvedConfig` (what the strategy passes) in place
+    of those keywords, which are its thin wrapper.
     Batches must come from ``shard_batch`` (the strategy does this) with the matching layout.
     Every layer's mask (causal, sliding window, chunked; see :class:`MaskPattern`) and, in FPDT mode,
     the model's logit scale and soft-cap are honoured; anything else is refused here or at the first call.
@@ -360,10 +330,9 @@ def enable_sequence_parallel(
     from transformers import AttentionInterface, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface
 
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is unknown; choose one of {MODES}")
-    if mode == "fpdt" and not chunk_size:
-        raise ValueError("mode='fpdt' needs chunk_size (tokens per chunk per rank), e.g. chunk_size=4096")
+    if config is None:
+        config = _config_of(group, mode, chunk_size, offload, backend, mlp_chunk_size, loss_chunk_size)
+    mode = config.mode
     if not isinstance(model, PreTrainedModel):
         raise TypeError(
             f"enable_sequence_parallel expects a transformers PreTrainedModel, got {type(model).__name__}. "
@@ -389,11 +358,7 @@ def enable_sequence_parallel(
         lm_head = read_chunked_head(model, name)  # refuses a logits transform it cannot reproduce
     ctx = SequenceParallelContext(
         group=group,
-        mode=mode,
-        chunk_size=chunk_size,
-        offload=offload,
-        backend=backend,
-        loss_chunk_size=loss_chunk_size,
+        config=config,
         model_name=name,
         num_attention_layers=int(getattr(model.config, "num_hidden_layers", 0)),
         lm_head=lm_head,
@@ -432,13 +397,39 @@ def enable_sequence_parallel(
             if not is_tiled(m) and not (moe_plan is not None and _routes_tokens(m, model))
         }
         for mlp in mlps.values():
-            tile_mlp_(mlp, mlp_chunk_size or chunk_size)
+            tile_mlp_(mlp, config.settings.mlp_chunk_size or config.settings.fpdt_chunk_size)
         saved["tiled_mlps"] = list(mlps)
         if lm_head is not None:
             model.forward = types.MethodType(_chunked_loss_forward, model)
     elif moe_plan is not None:
         model.forward = types.MethodType(_aux_loss_forward, model)
     return model
+
+
+def _config_of(
+    group: Group,
+    mode: str,
+    chunk_size: int | None,
+    offload: bool,
+    backend: str,
+    mlp_chunk_size: int | None,
+    loss_chunk_size: int | None,
+) -> ResolvedConfig:
+    """The resolved configuration of :func:`enable_sequence_parallel`'s keyword form: the group is the
+    sequence-parallel group (no data parallelism of its own)."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is unknown; choose one of {MODES}")
+    if mode == "fpdt" and not chunk_size:
+        raise ValueError("mode='fpdt' needs chunk_size (tokens per chunk per rank), e.g. chunk_size=4096")
+    settings = SequenceParallelConfig(
+        fpdt_chunk_size=chunk_size if mode == "fpdt" else None,
+        offload=bool(offload) and mode == "fpdt",  # Ulysses keeps nothing to offload
+        attention_backend=backend,
+        mlp_chunk_size=mlp_chunk_size,
+        loss_chunk_size=loss_chunk_size,
+    )
+    _, world = group_rank_size(group)
+    return settings.resolve(world_size=world, devices_per_node=0, device_type="cpu")
 
 
 def disable_sequence_parallel(model: nn.Module) -> nn.Module:

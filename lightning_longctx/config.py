@@ -1,0 +1,157 @@
+"""The sequence-parallel settings: what a user asks for, and what it means on one world.
+
+:class:`SequenceParallelConfig` holds the settings as given (``"auto"`` included), validated once; its
+fields are the keyword arguments of :class:`~lightning_longctx.UlyssesFPDTStrategy`. Its
+:meth:`~SequenceParallelConfig.resolve` settles them for a world size, devices per node and device type
+into a :class:`ResolvedConfig` — the dp x sp layout, ``offload="auto"``, checkpointing implied by
+activation offload, the chunk of a sequence — the ONE object the strategy, the Hugging Face patching
+(``enable_sequence_parallel``), the memory planner and the CLI read, as torchtitan's ``ParallelDims``
+is built once and passed down. A new setting is a field here and a read in its one consumer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_longctx.mesh import ParallelLayout
+from lightning_longctx.sharding import IGNORE_INDEX, chunk_for
+
+#: The sequence-parallel attention modes.
+MODES = ("ulysses", "fpdt")
+#: Tokens per chunk per rank of the "ulysses_fpdt" preset.
+DEFAULT_FPDT_CHUNK_SIZE = 4096
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceParallelConfig:
+    """The sequence-parallel settings, validated once. They are written only here: the fields are the
+    keyword arguments of :class:`UlyssesFPDTStrategy` (its signature, which LightningCLI reads, and its
+    docstring are derived from this class).
+
+    Args:
+        sequence_parallel_size: ranks that share one sequence; ``"auto"`` = all devices of a node.
+            Must divide ``num_nodes * devices``; the rest is data parallelism.
+        fpdt_chunk_size: tokens per FPDT chunk per rank; ``None`` = plain Ulysses. Short sequences use
+            one chunk of their local length.
+        offload: keep FPDT's cold key/value chunks and saved activations in host memory; ``"auto"`` =
+            on when training on CUDA.
+        attention_backend: local kernel, ``"auto" | "flash" | "sdpa" | "math"``.
+        data_parallel: ``"ddp"`` (replicated parameters, DDP all-reduce over dp x sp) or ``"fsdp"``
+            (FSDP2 ``fully_shard`` of every transformer block and of each HF model over all dp x sp
+            ranks; checkpoints hold full, unsharded state dicts).
+        activation_checkpointing: enable HF gradient checkpointing (non-reentrant) on patched models.
+        activation_offload: checkpoint the decoder layers (as ``activation_checkpointing``) and keep each
+            layer's checkpointed input in pinned host memory until its recompute in backward, prefetched
+            back on a side stream; bit-identical results. On CPU it copies and saves nothing.
+        mlp_chunk_size: tokens per chunk of the FPDT-tiled MLP (default: ``fpdt_chunk_size``).
+        loss_chunk_size: tokens per chunk of FPDT's chunked lm_head + loss (default: from the vocabulary, at
+            most 128 MiB per fp32 logits block: 1024 tokens of a 32K vocabulary, 256 of a 128K one).
+        pad_token_id: token that pads sequences whose length does not divide.
+        ignore_index: label of tokens without a loss (padding gets it too).
+        loss_normalization: ``"tokens"`` (default): the loss and every gradient of an optimizer step are
+            those of one device on the whole global batch, the sum of token losses over all dp ranks and
+            micro-batches of the accumulation window divided by its valid-token count;
+            ``"micro_batch"``: Lightning's mean of per-micro-batch means (exact within an SP group).
+    """
+
+    sequence_parallel_size: int | Literal["auto"] = "auto"
+    fpdt_chunk_size: int | None = None
+    offload: bool | Literal["auto"] = False
+    attention_backend: str = "auto"
+    data_parallel: Literal["ddp", "fsdp"] = "ddp"
+    activation_checkpointing: bool = False
+    activation_offload: bool = False
+    mlp_chunk_size: int | None = None
+    loss_chunk_size: int | None = None
+    pad_token_id: int = 0
+    ignore_index: int = IGNORE_INDEX
+    loss_normalization: Literal["tokens", "micro_batch"] = "tokens"
+
+    def __post_init__(self) -> None:
+        sp = self.sequence_parallel_size
+        if sp != "auto" and (not isinstance(sp, int) or sp < 1):
+            raise ValueError(
+                f"sequence_parallel_size={sp!r}: use 'auto' (all devices of a node) or a positive int"
+            )
+        for name in ("fpdt_chunk_size", "mlp_chunk_size", "loss_chunk_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}: use None (the default) or a positive token count")
+        if self.offload not in (True, False, "auto"):
+            raise ValueError(
+                f"offload={self.offload!r}: use True, False or 'auto' (on when training on CUDA)"
+            )
+        for name in ("activation_checkpointing", "activation_offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: use True or False")
+        if self.offload is True and self.fpdt_chunk_size is None:
+            raise ValueError("offload=True needs FPDT chunking: set fpdt_chunk_size (e.g. 4096)")
+        if self.loss_normalization not in ("tokens", "micro_batch"):
+            raise ValueError(
+                f"loss_normalization={self.loss_normalization!r} is unknown; use 'tokens' (the token mean over the "
+                "global batch, as one device) or 'micro_batch' (Lightning's mean of per-micro-batch means)"
+            )
+        if self.data_parallel not in ("ddp", "fsdp"):
+            raise ValueError(
+                f"data_parallel={self.data_parallel!r} is unknown; use 'ddp' (replicated parameters) or 'fsdp' "
+                "(FSDP2 fully_shard per transformer block over all dp x sp ranks)"
+            )
+
+    @property
+    def mode(self) -> str:
+        return "ulysses" if self.fpdt_chunk_size is None else "fpdt"
+
+    def resolve(self, world_size: int, devices_per_node: int, device_type: str) -> ResolvedConfig:
+        """What these settings mean on ``world_size`` ranks with ``devices_per_node`` devices per node (0:
+        unknown) of ``device_type``: ``"auto"`` settled, the dp x sp layout built and checked. Every consumer
+        (the strategy, the model patching, the planner, the CLI) takes the result, so nothing is resolved twice."""
+        sp = self.sequence_parallel_size
+        if sp == "auto":
+            sp = devices_per_node or world_size
+        layout = ParallelLayout(world_size=world_size, sp=sp, devices_per_node=devices_per_node)
+        offload = (
+            device_type == "cuda" and self.fpdt_chunk_size is not None
+            if self.offload == "auto"
+            else self.offload
+        )
+        return ResolvedConfig(
+            settings=self,
+            layout=layout,
+            offload=bool(offload),
+            activation_checkpointing=self.activation_checkpointing or self.activation_offload,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedConfig:
+    """:class:`SequenceParallelConfig` settled for one world (:meth:`SequenceParallelConfig.resolve`).
+
+    ``settings`` are the user's as given (read the plain ones there: ``config.settings.attention_backend``;
+    a new setting needs no line here); ``layout`` the dp x sp layout; ``offload`` and
+    ``activation_checkpointing`` the effective switches.
+    """
+
+    settings: SequenceParallelConfig
+    layout: ParallelLayout
+    offload: bool
+    activation_checkpointing: bool
+
+    @property
+    def mode(self) -> str:
+        return self.settings.mode
+
+    @property
+    def sp(self) -> int:
+        return self.layout.sp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    def chunk_for(self, seq_len: int) -> int | None:
+        """Tokens per FPDT chunk per rank for a global sequence of ``seq_len`` tokens (``None``: Ulysses)."""
+        return chunk_for(seq_len, self.sp, self.settings.fpdt_chunk_size)
+
+    def __str__(self) -> str:
+        return f"{self.layout}, mode={self.mode}"

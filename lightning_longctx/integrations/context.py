@@ -1,0 +1,129 @@
+"""The state of one sequence-parallel Hugging Face model: its own module, so the patching
+(``transformers.py``) and the mask machinery (``masks.py``) both read it without importing each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_longctx.comm import Group, group_rank_size
+from lightning_longctx.sharding import document_ids, gather_sequence, global_index, local_chunk
+
+if TYPE_CHECKING:
+    from lightning_longctx.config import ResolvedConfig
+    from lightning_longctx.integrations.lm_head import ChunkedHead
+    from lightning_longctx.integrations.moe import MoEAuxLossPlan
+
+
+@dataclass(eq=False)
+class BatchPositions:
+    """The GLOBAL position ids of one batch: ``local`` ``(b, s/P)`` this rank's shard, the very tensor the
+    model is called with; ``full`` ``(b, N)`` the whole sequence in global order. Set once per batch where
+    it is sharded (the strategy, from ``sharding.global_positions``, no collective) or by the model's
+    forward hook (one all-gather) when a call brings other position ids. The document ids every attention
+    layer needs are derived from ``full`` here and remembered on this object, which dies with the batch."""
+
+    local: torch.Tensor
+    full: torch.Tensor
+    version: int = -1  # ``local._version`` when recorded: an in-place write makes it a different batch
+    _documents: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.version = self.local._version
+
+    def describes(self, position_ids: torch.Tensor) -> bool:
+        """Whether attention's ``position_ids`` are this batch's: the tensor itself, or a view with its
+        shape, strides and offset (models pass them down layer by layer, checkpoint recomputes included)."""
+        p, mine = position_ids, self.local
+        if p is not mine and not (
+            p._base is not None
+            and p._base is (mine if mine._base is None else mine._base)
+            and p.shape == mine.shape
+            and p.stride() == mine.stride()
+            and p.storage_offset() == mine.storage_offset()
+        ):
+            return False
+        return mine._version == self.version
+
+    def documents(self, chunk: int | None = None) -> torch.Tensor | None:
+        """``(b, N)`` document ids in global order (``None``: one document per row); ``chunk``: chunked
+        attention (Llama-4), each chunk of ``chunk`` positions of a document its own document."""
+        if chunk not in self._documents:
+            full = self.full if chunk is None else self.full % chunk
+            self._documents[chunk] = document_ids(full)
+        return self._documents[chunk]
+
+
+@dataclass(eq=False)
+class SequenceParallelContext:
+    """Settings of one patched model, what ``disable_sequence_parallel`` restores, and the counters
+    the strategy's guardrails read.
+
+    ``config`` is the resolved configuration (``config.py``): the mode, the FPDT chunk (tokens per rank;
+    a call whose local sequence is shorter uses one chunk of its length, ``sharding.local_chunk``), the
+    offload switch, the kernel backend, the loss chunk. ``positions`` are the current batch's
+    (:class:`BatchPositions`: its documents, computed once per batch). ``call_position_ids`` are the GLOBAL
+    ``position_ids`` of the forward call in progress (set and cleared by hooks on the model; the mask
+    function copies them into the ``MaskPattern`` it returns, for models that do not pass them on to
+    attention, such as Llama-4).
+
+    A deep copy of a patched model shares its context (same group, same settings); pickling one is
+    refused, since the process group cannot travel: unpatch it first.
+    """
+
+    group: Group
+    config: ResolvedConfig
+    model_name: str = ""
+    key: str = ""
+    num_attention_layers: int = 0
+    attention_calls: int = 0
+    lm_head: ChunkedHead | None = None  # FPDT mode: read at patch time
+    moe_plan: MoEAuxLossPlan | None = None  # the model's in-forward load-balancing loss, if any
+    call_position_ids: torch.Tensor | None = None
+    positions: BatchPositions | None = None  # the current batch's, for the documents of every layer
+    restore: dict[str, Any] = field(default_factory=dict)  # the model's settings before patching
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SequenceParallelContext:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a sequence-parallel model holds its process group and cannot be pickled; call "
+            "lightning_longctx.disable_sequence_parallel(model) first (state_dict() always works)"
+        )
+
+    @property
+    def chunk_size(self) -> int | None:
+        """The configured FPDT chunk (tokens per rank), ``None`` under Ulysses."""
+        return self.config.settings.fpdt_chunk_size
+
+    def local_chunk(self, local_len: int) -> int | None:
+        """The FPDT chunk of a call whose shard holds ``local_len`` tokens (``None`` under Ulysses)."""
+        c = self.chunk_size
+        return None if c is None else local_chunk(c, local_len)
+
+    def documents_for(self, position_ids: torch.Tensor | None) -> tuple[bool, torch.Tensor | None]:
+        """``(known, documents)`` for attention's ``position_ids``: the batch's document ids when they are
+        the batch's positions (``known``), else ``(False, None)`` (attention gathers them itself)."""
+        pos = self.positions
+        if position_ids is None or pos is None or not pos.describes(position_ids):
+            return False, None
+        return True, pos.documents()
+
+    def record_positions(self, position_ids: torch.Tensor) -> None:
+        """Keep the batch of a forward call whose position ids are not the recorded batch's: one all-gather
+        of them (every rank calls the forward, so every rank takes part)."""
+        if self.positions is not None and self.positions.describes(position_ids):
+            return
+        local = position_ids.shape[-1]
+        full = gather_sequence(
+            position_ids.reshape(-1, local), group=self.group, chunk_size=self.local_chunk(local)
+        )
+        self.positions = BatchPositions(local=position_ids, full=full)
+
+    def global_index(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """``(local_len,)`` global token index of each local token in this rank's layout (``shard_batch``'s)."""
+        rank, world = group_rank_size(self.group)
+        return global_index(local_len, rank=rank, world=world, chunk_size=self.chunk_size, device=device)
