@@ -44,6 +44,8 @@ class SequenceParallelConfig:
         activation_offload: checkpoint the decoder layers (as ``activation_checkpointing``) and keep each
             layer's checkpointed input in pinned host memory until its recompute in backward, prefetched
             back on a side stream; bit-identical results. On CPU it copies and saves nothing.
+        fpdt_overlap: start FPDT's all-to-alls in the background so they travel while a block computes;
+            ``False``: each completes before the next block (same results; for profiling communication).
         mlp_chunk_size: tokens per chunk of the FPDT-tiled MLP (default: ``fpdt_chunk_size``).
         loss_chunk_size: tokens per chunk of FPDT's chunked lm_head + loss (default: from the vocabulary, at
             most 128 MiB per fp32 logits block: 1024 tokens of a 32K vocabulary, 256 of a 128K one).
@@ -62,6 +64,7 @@ class SequenceParallelConfig:
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
     activation_checkpointing: bool = False
     activation_offload: bool = False
+    fpdt_overlap: bool = True
     mlp_chunk_size: int | None = None
     loss_chunk_size: int | None = None
     pad_token_id: int = 0
@@ -82,7 +85,7 @@ class SequenceParallelConfig:
             raise ValueError(
                 f"offload={self.offload!r}: use True, False or 'auto' (on when training on CUDA)"
             )
-        for name in ("activation_checkpointing", "activation_offload"):
+        for name in ("activation_checkpointing", "activation_offload", "fpdt_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: use True or False")
         if self.offload is True and self.fpdt_chunk_size is None:

@@ -2,7 +2,7 @@
 
 :func:`strategy_cases` draws an architecture from the sweep's list (``arch_sweep.ARCHS``, dense ones:
 the MoE auxiliary loss has its own tests; mostly those the sweep finds exact, sometimes a refused one), the world size and sequence-parallel size (dp = world / sp),
-gradient accumulation, Ulysses or FPDT (chunk size), FPDT offload, activation checkpointing, activation
+gradient accumulation, Ulysses or FPDT (chunk size), FPDT offload and overlap, activation checkpointing, activation
 offload, DDP or FSDP2, packed documents (position ids restarting at 0, the first label of a document
 ignored as ``DataCollatorWithFlattening`` does), the sequence length (also one that does not divide) and
 the loss normalization. :func:`run_strategy` trains one optimizer step (SGD) under
@@ -52,6 +52,7 @@ class StratCase:
     accumulate: int = 1
     fpdt_chunk_size: int | None = None
     offload: bool = False
+    fpdt_overlap: bool = True
     activation_checkpointing: bool = False
     activation_offload: bool = False
     data_parallel: str = "ddp"
@@ -84,6 +85,7 @@ def strategy_cases(draw: st.DrawFn, archs: list[str] | None = None) -> StratCase
         accumulate=draw(st.integers(1, 2)),
         fpdt_chunk_size=chunk,
         offload=chunk is not None and draw(st.booleans()),
+        fpdt_overlap=chunk is None or draw(st.booleans()),
         activation_checkpointing=draw(st.booleans()),
         activation_offload=draw(st.booleans()),
         data_parallel=draw(st.sampled_from(["ddp", "fsdp"])),
@@ -189,6 +191,7 @@ def run_strategy(case: StratCase) -> tuple[str, object]:
             sequence_parallel_size=case.sp,
             fpdt_chunk_size=case.fpdt_chunk_size,
             offload=case.offload,
+            fpdt_overlap=case.fpdt_overlap,
             activation_checkpointing=case.activation_checkpointing,
             activation_offload=case.activation_offload,
             data_parallel=case.data_parallel,

@@ -134,7 +134,16 @@ def _hf_attention(
     if chunk is None:
         out = ulysses_attention(q, k, v, **features, **common)
     else:
-        out = fpdt_attention(q, k, v, chunk_size=chunk, offload=cfg.offload, **features, **common)
+        out = fpdt_attention(
+            q,
+            k,
+            v,
+            chunk_size=chunk,
+            offload=cfg.offload,
+            overlap=cfg.settings.fpdt_overlap,
+            **features,
+            **common,
+        )
     ctx.attention_calls += 1
     return out, None
 
