@@ -21,6 +21,8 @@ from lightning_longctx.sharding import IGNORE_INDEX, chunk_for
 MODES = ("ulysses", "fpdt")
 #: Tokens per chunk per rank of the "ulysses_fpdt" preset.
 DEFAULT_FPDT_CHUNK_SIZE = 4096
+#: Lightning precisions the strategy and the planner accept.
+SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,7 +45,14 @@ previous step's gradients still allocated: Lightning frees them between forward 
 loss backward, the last layer's backward, and the optimizer step. A layer phase is the larger of its
 attention moment and its MLP moment (the layer's MLP tensors do not exist yet, or are freed, while its
 attention runs). Each component is shown with its bytes in the peak phase, so the rows add up to the
-total; ``largest`` is its maximum over all phases and moments.
+total; ``largest`` is its maximum over the phases (a working set of one moment, such as the attention's,
+at that moment).
+
+In the code: :func:`plan_memory` resolves its arguments once into a ``_Layout`` (per-rank shapes, dtype
+sizes, mode flags); each memory term is one small function of it returning a ``_Term`` (device bytes,
+host bytes, the table row it adds to, a note); ``_PHASE_TABLE`` says at which moments each term is
+alive, and ``_plan`` sums them and takes the peak. A new memory term is one function plus one line of
+the table.
 
 What it does not model: allocator caching and fragmentation (CUDA's caching allocator reserves more
 than it allocates: keep 5-10% headroom), CUDA context and library workspaces (cuBLAS, NCCL: ~1 GiB),
@@ -58,19 +65,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_longctx.attention.common import kv_repeat_factor
 from lightning_longctx.chunked_loss import default_loss_chunk_size
+from lightning_longctx.config import DEFAULT_FPDT_CHUNK_SIZE, MODES, SUPPORTED_PRECISION
 from lightning_longctx.flops import _NON_GATED_MODEL_TYPES, _dims, _text_config, matmul_params
-from lightning_longctx.strategy import DEFAULT_FPDT_CHUNK_SIZE, SUPPORTED_PRECISION
+from lightning_longctx.sharding import chunk_for
 
 __all__ = ["MemoryComponent", "MemoryPlan", "format_bytes", "longest_sequence", "parse_bytes", "plan_memory"]
 
-MODES = ("ulysses", "fpdt")
 DATA_PARALLEL = ("ddp", "fsdp")
 #: optimizer name -> state tensors per parameter (kept in the parameter's dtype by torch.optim)
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
@@ -383,6 +390,595 @@ def _check_int(name: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
+# ---------------------------------------------------------------------------------------------------
+# The layout: what one rank holds, resolved once
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Layout:
+    """The resolved inputs of one plan: the model's shape, the sequence as ``shard_batch`` pads and splits
+    it, heads per rank after the all-to-all, dtype sizes and the mode flags. Notation as in the module
+    docstring: ``t`` local tokens, ``w`` / ``m`` / ``r`` parameter / matmul / residual bytes."""
+
+    shape: _Shape
+    seq_len: int  # as asked
+    padded: int  # what shard_batch pads it to: a multiple of sp (or of sp * chunk with FPDT)
+    sp: int  # P, ranks that share one sequence
+    dp: int
+    b: int  # micro batch: sequences per device
+    t: int  # tokens per rank: b * padded / sp
+    bn: int  # tokens of the sequences, seen by each rank in head layout: b * padded
+    mode: str
+    chunk: int | None  # FPDT tokens per chunk per rank (capped at the local length)
+    loss_chunk: int | None  # FPDT's lm_head + loss chunk (tokens)
+    mlp_chunk: int | None  # FPDT's tiled-MLP chunk (tokens)
+    offload: bool  # FPDT's chunks in host memory
+    checkpointing: bool  # every decoder layer checkpointed (implied by activation_offload)
+    activation_offload: bool  # the checkpointed layer inputs in host memory
+    data_parallel: str  # "ddp" or "fsdp"
+    optimizer: str  # lower case
+    states: int  # optimizer state tensors per parameter
+    precision: str
+    w: int  # parameter bytes
+    m: int  # matmul (autocast) bytes
+    r: int  # residual stream bytes (the embedding's dtype)
+    autocast: bool
+    kv_heads: int  # kv heads after the replication for the all-to-all (spread_kv_heads)
+    heads_per_rank: int  # query heads per rank after the all-to-all (the largest rank's, uneven splits)
+    kv_per_rank: int  # kv heads per rank after the all-to-all
+    device_memory: int | None
+
+    @property
+    def fpdt(self) -> bool:
+        return self.mode == "fpdt"
+
+    @property
+    def casting(self) -> bool:
+        """Autocast makes (and linear saves) low-precision copies of the weights and inputs."""
+        return self.autocast and self.w != self.m
+
+    @property
+    def shard(self) -> int:
+        """Ranks a parameter is split over: dp * sp with FSDP, 1 with DDP."""
+        return self.dp * self.sp if self.data_parallel == "fsdp" else 1
+
+    @property
+    def weight_bytes(self) -> int:
+        """One rank's parameters (= its gradients, = one optimizer state)."""
+        return -(-self.shape.params // self.shard) * self.w
+
+    @property
+    def mlp_weights(self) -> int:
+        """One layer's MLP weights (elements)."""
+        return (3 if self.shape.gated else 2) * self.shape.d * self.shape.inter
+
+    @property
+    def chunk_casts(self) -> int:
+        """Bytes per weight element cast inside a chunked function (tiled MLP, chunked loss)."""
+        return self.m if self.casting else 0
+
+    @property
+    def q_elems(self) -> int:
+        """One rank's q (or out) in head layout: ``(b, N, H/P, hd)`` elements."""
+        return self.bn * self.heads_per_rank * self.shape.head_dim
+
+    @property
+    def kv_elems(self) -> int:
+        """One rank's k (or v) in head layout: ``(b, N, H_kv'/P, hd)`` elements."""
+        return self.bn * self.kv_per_rank * self.shape.head_dim
+
+    @property
+    def qa(self) -> int:
+        """Bytes of the attention's q, k, out: FPDT keeps them in RoPE's output dtype, the residual's (fp32)
+        under autocast; otherwise the matmul dtype."""
+        return self.r if (self.casting and self.fpdt) else self.m
+
+    @property
+    def ct(self) -> int:
+        """The softmax / loss dtype's bytes: fp32 (fp64 for fp64)."""
+        return max(self.m, 4)
+
+    @property
+    def segment(self) -> int:
+        """Tokens of one FPDT segment (one chunk of every rank, after the all-to-all); Ulysses: all of them."""
+        return self.b * self.sp * self.chunk if self.fpdt else self.bn
+
+    @property
+    def tile(self) -> int:
+        """Side of FPDT's score tile (``fpdt_attention(block_size=1024)``), 0 for Ulysses."""
+        return min(FPDT_BLOCK_SIZE, self.segment // self.b) if self.fpdt else 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# The terms: one function per memory component
+# ---------------------------------------------------------------------------------------------------
+# Each term returns the bytes it holds on one device and on its host while it is alive, and the table row
+# (one of _ORDER) it adds to. A row's note is its terms' notes, in phase-table order, joined by "; ": a
+# term folded into a row that another term describes (a backward variant, a small extra) leaves it empty.
+# A term that does not apply to the settings returns zero bytes and no note.
+
+_ACTS, _RECOMPUTE = "activations kept for backward", "layer recompute (checkpointing)"
+
+
+@dataclass(frozen=True)
+class _Term:
+    """One memory component: bytes on one device and on its host, the table row it adds to, and a note."""
+
+    row: str
+    device: int
+    host: int = 0
+    note: str = ""
+
+
+# ---- parameters, gradients, optimizer ----
+
+
+def _weights(lay: _Layout) -> _Term:
+    note = f"{lay.shape.params:,} params x {lay.w} B" + (f" / {lay.shard} (FSDP)" if lay.shard > 1 else "")
+    return _Term("weights", lay.weight_bytes, note=note)
+
+
+def _sharded_gradients(lay: _Layout) -> _Term:
+    """FSDP's sharded gradients. DDP's gradients are views into its buckets (``gradient_as_bucket_view``)."""
+    if lay.data_parallel == "ddp":
+        return _Term("gradients", 0)
+    note = "FSDP's sharded gradients, freed between forward and backward (Lightning's zero_grad)"
+    return _Term("gradients", lay.weight_bytes, note=note)
+
+
+def _optimizer_state(lay: _Layout) -> _Term:
+    """torch.optim keeps its states in the parameter dtype (Lightning's bf16-mixed: fp32 weights, no master
+    copy)."""
+    note = f"{lay.optimizer}: {lay.states} x params x {lay.w} B" + (
+        " + foreach temporary" if lay.states else ""
+    )
+    return _Term("optimizer state", lay.states * lay.weight_bytes, note=note)
+
+
+def _optimizer_step_temporary(lay: _Layout) -> _Term:
+    """foreach AdamW: one temporary per state (sqrt of exp_avg_sq) during the step (noted with the state)."""
+    return _Term("optimizer state", lay.states * lay.weight_bytes // 2 if lay.states else 0)
+
+
+def _ddp_gradient_buckets(lay: _Layout) -> _Term:
+    """DDP's all-reduce buckets, allocated for the whole run (the strategy wraps in DDP even on one rank)."""
+    if lay.data_parallel != "ddp":
+        return _Term("DDP gradient buckets", 0)
+    note = "the gradients, as views into DDP's buckets (gradient_as_bucket_view=True)"
+    return _Term("DDP gradient buckets", lay.shape.params * lay.w, note=note)
+
+
+def _fsdp_root_params(lay: _Layout) -> _Term:
+    """FSDP's root (embedding, head, final norm) stays unsharded for the step (``reshard_after_forward=False``)."""
+    if lay.data_parallel != "fsdp":
+        return _Term("FSDP unsharded params/grads", 0)
+    return _Term("FSDP unsharded params/grads", lay.shape.root_params * lay.w, note="root params")
+
+
+def _fsdp_blocks_in_flight(lay: _Layout) -> _Term:
+    """Two unsharded transformer blocks: the one running and the one prefetched."""
+    if lay.data_parallel != "fsdp":
+        return _Term("FSDP unsharded params/grads", 0)
+    return _Term("FSDP unsharded params/grads", 2 * lay.shape.block_params * lay.w, note="2 blocks in flight")
+
+
+def _fsdp_block_gradients(lay: _Layout) -> _Term:
+    """One block's and the root's unsharded gradients, before their reduce-scatter."""
+    if lay.data_parallel != "fsdp":
+        return _Term("FSDP unsharded params/grads", 0)
+    s = lay.shape
+    return _Term("FSDP unsharded params/grads", (s.block_params + s.root_params) * lay.w,
+                 note="block + root grads in backward")  # fmt: skip
+
+
+def _autocast_weight_copies(lay: _Layout) -> _Term:
+    """The low-precision weight casts linear saves for backward; FPDT's tiled MLP and chunked loss cast per
+    chunk instead (their working sets count those)."""
+    if not lay.casting:
+        return _Term("autocast weight copies", 0)
+    s = lay.shape
+    cast_params = s.matmul_params - (s.layers * lay.mlp_weights + s.head_params if lay.fpdt else 0)
+    return _Term("autocast weight copies", cast_params * lay.m,
+                 note=f"{lay.m}-byte casts of the weights linear keeps for backward")  # fmt: skip
+
+
+# ---- activations kept for backward ----
+
+
+def _attention_store_bytes(lay: _Layout) -> int:
+    """One layer's attention tensors in head layout: q, out, k, v and the log-sum-exp (FPDT: every chunk's,
+    in host memory with offload). FPDT's blocks run in the autocast dtype, the lse too; else it is fp32."""
+    lse = lay.m if (lay.autocast and lay.fpdt) else max(4, lay.m)
+    return 2 * lay.q_elems * lay.qa + lay.kv_elems * (lay.qa + lay.m) + lay.bn * lay.heads_per_rank * lse
+
+
+def _layer_attention_bytes(lay: _Layout) -> int:
+    """One layer's saved tensors up to its MLP: the first RMSNorm's fp32 input and normalised copy, the
+    q/k/v projections' inputs (autocast casts the normed input once per projection), the attention store and
+    the o_proj input."""
+    s, t = lay.shape, lay.t
+    norm = (4 + lay.r) * s.d * t
+    qkv_in = (3 if lay.casting else 1) * s.d * lay.m * t
+    return norm + qkv_in + _attention_store_bytes(lay) + s.heads * s.head_dim * lay.m * t
+
+
+def _layer_mlp_bytes(lay: _Layout) -> int:
+    """One layer's saved tensors from its second RMSNorm on: the norm, the MLP's input(s) and its gate, act,
+    up, act*up (FPDT's tiled MLP keeps only its input and recomputes the rest)."""
+    s, t = lay.shape, lay.t
+    norm = (4 + lay.r) * s.d * t
+    if lay.fpdt:
+        return norm + s.d * lay.r * t
+    copies = (2 if s.gated else 1) if lay.casting else 1
+    return norm + copies * s.d * lay.m * t + (4 if s.gated else 2) * s.inter * lay.m * t
+
+
+def _layer_device_bytes(lay: _Layout) -> int:
+    """One layer's saved tensors on the device (FPDT's offloaded chunks are on the host)."""
+    host = _attention_store_bytes(lay) if lay.offload else 0
+    return _layer_attention_bytes(lay) + _layer_mlp_bytes(lay) - host
+
+
+def _saved_activations(lay: _Layout) -> _Term:
+    """Without checkpointing: every layer's saved tensors but the last one's (see the next two terms)."""
+    if lay.checkpointing:
+        return _Term(_ACTS, 0)
+    note = "per layer: norms, q/k/v/out/lse, projections" + (", MLP" if not lay.fpdt else "")
+    return _Term(_ACTS, (lay.shape.layers - 1) * _layer_device_bytes(lay), note=note)
+
+
+def _last_layer_attention_activations(lay: _Layout) -> _Term:
+    """Without checkpointing: the last layer's saved tensors up to its MLP (on the device)."""
+    if lay.checkpointing:
+        return _Term(_ACTS, 0)
+    return _Term(_ACTS, _layer_device_bytes(lay) - _layer_mlp_bytes(lay))
+
+
+def _last_layer_mlp_activations(lay: _Layout) -> _Term:
+    """Without checkpointing: the last layer's MLP tensors. They do not exist yet while its attention runs
+    forward, and are freed when its attention runs backward."""
+    return _Term(_ACTS, 0 if lay.checkpointing else _layer_mlp_bytes(lay))
+
+
+def _checkpointed_inputs(lay: _Layout) -> _Term:
+    """With checkpointing: each layer's input ``(b, N/P, d)`` on the device (on the host with activation
+    offload: :func:`_activation_offload_store`)."""
+    if not lay.checkpointing:
+        return _Term(_ACTS, 0)
+    inputs = 0 if lay.activation_offload else lay.shape.layers * lay.shape.d * lay.r * lay.t
+    return _Term(_ACTS, inputs, note="layer inputs (checkpointed)")
+
+
+def _model_inputs(lay: _Layout) -> _Term:
+    """The batch's int64 ids (input_ids, labels, shift_labels, position_ids) and the RoPE cos/sin tables."""
+    return _Term(_ACTS, 4 * 8 * lay.t + 2 * lay.shape.head_dim * lay.r * lay.t)
+
+
+def _final_norm_and_head_input(lay: _Layout) -> _Term:
+    """The final RMSNorm's saved tensors and the head's input (FPDT's chunked loss: hidden states + lse;
+    Hugging Face: lm_head's matmul-dtype input); freed in the loss backward."""
+    s, t = lay.shape, lay.t
+    head_in = s.d * lay.r * t + 4 * t if lay.fpdt else s.d * lay.m * t
+    return _Term(_ACTS, (4 + lay.r) * s.d * t + head_in)
+
+
+def _running_layer_input(lay: _Layout) -> _Term:
+    """Activation offload: the running layer's input stays on the device while it runs forward."""
+    return _Term(_ACTS, lay.shape.d * lay.r * lay.t if lay.activation_offload else 0)
+
+
+def _prefetched_layer_inputs(lay: _Layout) -> _Term:
+    """Activation offload, backward: the recomputed layer's input and the one prefetched for the layer
+    before it."""
+    if not lay.activation_offload:
+        return _Term(_ACTS, 0)
+    return _Term(_ACTS, min(2, lay.shape.layers) * lay.shape.d * lay.r * lay.t)
+
+
+def _fpdt_chunk_store(lay: _Layout) -> _Term:
+    """FPDT offload: every layer's attention chunks in host memory, with checkpointing too (the chunk store
+    lives on the autograd node, which checkpointing keeps)."""
+    if not lay.offload:
+        return _Term(_ACTS, 0)
+    return _Term(_ACTS, 0, lay.shape.layers * _attention_store_bytes(lay), note="host: FPDT chunks (offload)")
+
+
+def _activation_offload_store(lay: _Layout) -> _Term:
+    """Activation offload: every layer's checkpointed input in host memory."""
+    if not lay.activation_offload:
+        return _Term(_ACTS, 0)
+    inputs = lay.shape.layers * lay.shape.d * lay.r * lay.t
+    return _Term(_ACTS, 0, inputs, note="host: the layer inputs (activation offload)")
+
+
+# ---- the loss ----
+
+
+def _loss_forward(lay: _Layout) -> _Term:
+    """FPDT's chunked lm_head + loss: one logits block (+ its matmul-dtype original) and logsumexp's exp, the
+    head's per-chunk cast. Hugging Face: the whole logits (+ their fp32 copy) and the log-softmax. (The
+    row's note is the backward's.)"""
+    s, ct = lay.shape, lay.ct
+    if lay.fpdt:
+        low = lay.m if lay.m != ct else 0  # autocast: the matmul-dtype logits beside the fp32 block
+        return _Term("loss working set", min(lay.loss_chunk, lay.t) * s.vocab * (ct + low)
+                     + s.head_params * lay.chunk_casts)  # fmt: skip
+    return _Term("loss working set", lay.t * s.vocab * (lay.m + ct + (ct if lay.m != ct else 0)))
+
+
+def _loss_backward(lay: _Layout) -> _Term:
+    """FPDT: the recomputed block, exp, softmax - onehot, where(), * grad (two fp32 blocks with a soft-cap),
+    the head's fp32 gradient accumulator and the hidden states' gradient. Hugging Face: the log-softmax, its
+    gradient and the logits' gradient (``12 * t * V`` bytes in fp32)."""
+    s, ct, m = lay.shape, lay.ct, lay.m
+    if lay.fpdt:
+        lc = min(lay.loss_chunk, lay.t)
+        low = m if m != ct else 0  # autocast: the matmul-dtype gradient beside the fp32 block
+        nbytes = (
+            lc * s.vocab * ((2 if s.softcap else 1) * ct + low)
+            + s.head_params * (ct + lay.chunk_casts + low)
+            + s.d * lay.r * lay.t
+        )
+        return _Term(
+            "loss working set", nbytes, note=f"chunked lm_head + loss: ({lc:,} x {s.vocab:,}) blocks"
+        )
+    return _Term("loss working set", 3 * ct * lay.t * s.vocab,
+                 note=f"logits ({lay.t:,} x {s.vocab:,}) fp32: log-softmax + gradients")  # fmt: skip
+
+
+# ---- one layer's working sets ----
+
+
+def _fpdt_score_tile_bytes(lay: _Layout) -> int:
+    """One math score tile ``(b, H/P, tile, tile)`` in the blocks' dtype and its boolean mask."""
+    b, tile = lay.b, lay.tile
+    return b * lay.heads_per_rank * tile * tile * (lay.m if lay.autocast else lay.ct) + b * tile * tile
+
+
+def _residual_gradient_bytes(lay: _Layout) -> int:
+    """The residual stream's gradient in backward (a norm's backward runs in fp32)."""
+    return lay.shape.d * max(lay.r, 4) * lay.t
+
+
+def _attention_forward(lay: _Layout) -> _Term:
+    """FPDT: the outputs gathered so far, one segment (q, its fp32 accumulator and merge, the next q and kv
+    in flight), a score tile and, with offload, the double-buffered kv prefetch (2 fetched k, v steps).
+    Ulysses: none (the kernel's out and lse are kept activations; O(1) workspace). (Noted with the
+    backward.)"""
+    if not lay.fpdt:
+        return _Term("attention working set", 0)
+    qa, hd, seg_kv = lay.qa, lay.shape.head_dim, lay.segment * lay.kv_per_rank * lay.shape.head_dim
+    seg_q = lay.segment * lay.heads_per_rank * hd
+    ahead = seg_q * qa + 2 * seg_kv * qa
+    kv_buffer = 4 * seg_kv * qa if lay.offload else 0
+    nbytes = lay.q_elems * qa + seg_q * (qa + 8) + ahead + _fpdt_score_tile_bytes(lay) + kv_buffer
+    return _Term("attention working set", nbytes)
+
+
+def _attention_backward(lay: _Layout) -> _Term:
+    """FPDT: the output's gradient throughout; early: every segment's dout and fp32 dq accumulator (the first
+    kv segment reaches all q segments), two score tiles and, with offload, the chunks fetched back from the
+    host; late: dq/dk/dv of every chunk and their concatenation. Ulysses: the output's gradient in both
+    layouts, dq/dk/dv in head layout and back in sequence layout. Both: the residual stream's gradient."""
+    qa, m, q, kv = lay.qa, lay.m, lay.q_elems, lay.kv_elems
+    if lay.fpdt:
+        seg_q = lay.segment * lay.heads_per_rank * lay.shape.head_dim
+        seg_kv = lay.segment * lay.kv_per_rank * lay.shape.head_dim
+        host_fetch = 2 * (seg_q * (qa + qa) + lay.segment * lay.heads_per_rank * 4 + 2 * seg_kv * qa)
+        early = q * qa + lay.bn * lay.heads_per_rank * 4 + q * lay.ct + 2 * _fpdt_score_tile_bytes(lay)
+        early += host_fetch if lay.offload else 0
+        grads = q * qa + 2 * kv * qa  # dq, dk, dv, all chunks (and their concatenation)
+        nbytes = q * qa + max(early, 2 * grads)
+        note = (f"one segment of {lay.segment // lay.b:,} tokens, {lay.tile}x{lay.tile} score tile, "
+                "dq/dk/dv")  # fmt: skip
+    else:
+        nbytes = 2 * q * m + 2 * (q + 2 * kv) * m
+        note = "dq/dk/dv and their all-to-all copies"
+    return _Term("attention working set", nbytes + _residual_gradient_bytes(lay), note=note)
+
+
+def _all_to_all_buffers(lay: _Layout) -> _Term:
+    """FPDT: send + receive of one chunk; Ulysses (head_to_seq): the reshaped copy and the send buffer."""
+    s = lay.shape
+    if lay.fpdt:
+        nbytes = 2 * lay.b * lay.chunk * s.heads * s.head_dim * lay.qa
+    else:
+        nbytes = 2 * lay.t * s.heads * s.head_dim * lay.m
+    return _Term("all-to-all buffers", nbytes, note="send + receive of one all-to-all")
+
+
+def _mlp_forward(lay: _Layout) -> _Term:
+    """FPDT's tiled MLP: its output (+ its input's copy) and one chunk without grad (+ the weights' casts).
+    Ulysses: the MLP's output. (Noted with the backward.)"""
+    s = lay.shape
+    if not lay.fpdt:
+        return _Term("MLP working set", s.d * lay.m * lay.t)
+    chunk = min(lay.mlp_chunk, lay.t) * s.inter * lay.m  # one (chunk, I) tensor
+    n_mlp = 4 if s.gated else 2
+    return _Term("MLP working set", 2 * s.d * lay.r * lay.t + (n_mlp - 1) * chunk
+                 + lay.mlp_weights * lay.chunk_casts)  # fmt: skip
+
+
+def _mlp_backward(lay: _Layout) -> _Term:
+    """FPDT's tiled MLP: grad_x and one chunk recomputed with grad (+ the casts). Ulysses: the activation's
+    gradients (act*up is freed). Both: the residual stream's gradient."""
+    s = lay.shape
+    if lay.fpdt:
+        mc = min(lay.mlp_chunk, lay.t)
+        n_mlp = 4 if s.gated else 2
+        nbytes = (
+            2 * s.d * lay.r * lay.t + (n_mlp + 3) * mc * s.inter * lay.m + lay.mlp_weights * lay.chunk_casts
+        )
+        note = f"tiled: {mc:,}-token chunks"
+    else:
+        nbytes = (2 if s.gated else 1) * s.inter * lay.m * lay.t
+        note = "MLP gradients"
+    return _Term("MLP working set", nbytes + _residual_gradient_bytes(lay), note=note)
+
+
+def _recomputed_layer_attention(lay: _Layout) -> _Term:
+    """Checkpointing: the recomputed layer's saved tensors up to its MLP (its FPDT chunks on the host with
+    offload). Its first norm saves the checkpointed input itself when that is fp32 already."""
+    if not lay.checkpointing:
+        return _Term(_RECOMPUTE, 0)
+    shared = lay.shape.d * 4 * lay.t if lay.r == 4 else 0
+    device = _layer_device_bytes(lay) - _layer_mlp_bytes(lay) - shared
+    host = _attention_store_bytes(lay) if lay.offload else 0
+    return _Term(_RECOMPUTE, device, host, note="one layer recomputed in backward")
+
+
+def _recomputed_layer_mlp(lay: _Layout) -> _Term:
+    """Checkpointing: the recomputed layer's MLP tensors (freed by the time its attention runs backward)."""
+    return _Term(_RECOMPUTE, _layer_mlp_bytes(lay) if lay.checkpointing else 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The phase table: which terms are alive at each moment of the step
+# ---------------------------------------------------------------------------------------------------
+# A phase is a candidate peak. A layer phase has two moments (its attention, its MLP) and counts as the
+# larger: the last layer's forward, its backward (the first backward of a layer). In the table, ``x``: the
+# term is alive at that moment. Lightning frees the previous step's gradients between forward and backward.
+_MOMENTS = (
+    ("layer forward", "attention"),
+    ("layer forward", "MLP"),
+    ("loss forward", ""),
+    ("loss backward", ""),
+    ("layer backward", "attention"),
+    ("layer backward", "MLP"),
+    ("optimizer step", ""),
+)
+
+# fmt: off
+_PHASE_TABLE: tuple[tuple[Callable[[_Layout], _Term], str], ...] = (
+    #                                     layer fwd   loss   loss   layer bwd   optimizer
+    #                                     attn  MLP   fwd    bwd    attn  MLP   step
+    (_weights,                           "x     x     x      x      x     x     x"),
+    (_sharded_gradients,                 "x     x     x      -      -     -     x"),
+    (_optimizer_state,                   "x     x     x      x      x     x     x"),
+    (_optimizer_step_temporary,          "-     -     -      -      -     -     x"),
+    (_ddp_gradient_buckets,              "x     x     x      x      x     x     x"),
+    (_fsdp_root_params,                  "x     x     x      x      x     x     x"),
+    (_fsdp_blocks_in_flight,             "x     x     -      -      x     x     -"),
+    (_fsdp_block_gradients,              "-     -     -      -      x     x     -"),
+    (_autocast_weight_copies,            "x     x     x      x      x     x     -"),
+    (_saved_activations,                 "x     x     x      x      x     x     -"),
+    (_last_layer_attention_activations,  "x     x     x      x      x     x     -"),
+    (_last_layer_mlp_activations,        "-     x     x      x      -     x     -"),
+    (_checkpointed_inputs,               "x     x     x      x      x     x     -"),
+    (_model_inputs,                      "x     x     x      x      x     x     -"),
+    (_final_norm_and_head_input,         "x     x     x      x      -     -     -"),
+    (_running_layer_input,               "x     x     -      -      -     -     -"),
+    (_prefetched_layer_inputs,           "-     -     -      -      x     x     -"),
+    (_fpdt_chunk_store,                  "x     x     x      x      x     x     -"),
+    (_activation_offload_store,          "x     x     x      x      x     x     -"),
+    (_loss_forward,                      "-     -     x      -      -     -     -"),
+    (_loss_backward,                     "-     -     -      x      -     -     -"),
+    (_attention_forward,                 "x     -     -      -      -     -     -"),
+    (_attention_backward,                "-     -     -      -      x     -     -"),
+    (_all_to_all_buffers,                "x     -     -      -      x     -     -"),
+    (_mlp_forward,                       "-     x     -      -      -     -     -"),
+    (_mlp_backward,                      "-     -     -      -      -     x     -"),
+    (_recomputed_layer_attention,        "-     -     -      -      x     x     -"),
+    (_recomputed_layer_mlp,              "-     -     -      -      -     x     -"),
+)
+# fmt: on
+
+#: allocated between steps (MemoryPlan.between_steps)
+_BETWEEN_STEPS = (_weights, _sharded_gradients, _optimizer_state, _ddp_gradient_buckets)
+
+
+@dataclass(frozen=True)
+class _Moment:
+    """The bytes of each row (device, host) at one moment of a phase."""
+
+    phase: str
+    device: dict[str, int]
+    host: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+
+def _moments(terms: list[tuple[_Term, str]]) -> list[_Moment]:
+    """Each moment of :data:`_MOMENTS` with the rows of the terms alive then (marked ``x``)."""
+    alive = [marks.split() for _, marks in terms]
+    assert all(len(a) == len(_MOMENTS) for a in alive) and all(t.row in _ORDER for t, _ in terms)
+    moments = []
+    for col, (phase, _) in enumerate(_MOMENTS):
+        device: dict[str, int] = {}
+        host: dict[str, int] = {}
+        for (term, _), marks in zip(terms, alive):
+            if marks[col] == "x":
+                device[term.row] = device.get(term.row, 0) + term.device
+                host[term.row] = host.get(term.row, 0) + term.host
+        moments.append(_Moment(phase, device, host))
+    return moments
+
+
+def _plan(lay: _Layout) -> MemoryPlan:
+    """Evaluate the phase table for a layout: the peak of every phase, and the rows of the peak phase."""
+    terms = [(term(lay), marks) for term, marks in _PHASE_TABLE]
+    moments = _moments(terms)
+    phases = {phase: [mo for mo in moments if mo.phase == phase] for phase, _ in _MOMENTS}
+    # a phase peaks at its larger moment (the first on a tie)
+    at = {phase: max(group, key=lambda mo: mo.total) for phase, group in phases.items()}
+    peak = max(at, key=lambda phase: at[phase].total)
+
+    def largest(row: str) -> int:
+        """The row's bytes at each phase's peak moment; a working set of one moment only (the attention's,
+        the MLP's) at that moment."""
+        return max(at[p].device[row] if row in at[p].device else max(mo.device.get(row, 0) for mo in group)
+                   for p, group in phases.items())  # fmt: skip
+
+    components = []
+    for row in _ORDER:
+        top = largest(row)
+        # the host column is the peak phase's, but the activations' host stores are shown whatever the
+        # peak (also the optimizer step, which runs after the backward freed them)
+        hosts = [mo.host.get(row, 0) for mo in at.values()] if row == _ACTS else [at[peak].host.get(row, 0)]
+        if top == 0 and max(hosts) == 0:
+            continue
+        note = "; ".join(term.note for term, _ in terms if term.row == row and term.note)
+        if top != at[peak].device.get(row, 0):
+            note += f" (largest {format_bytes(top)})"
+        components.append(MemoryComponent(row, at[peak].device.get(row, 0), max(hosts), top, note))
+    return MemoryPlan(
+        model=lay.shape.model_name,
+        params=lay.shape.params,
+        seq_len=lay.seq_len,
+        padded_seq_len=lay.padded,
+        tokens_per_device=lay.t,
+        sequence_parallel_size=lay.sp,
+        data_parallel_size=lay.dp,
+        mode=lay.mode,
+        fpdt_chunk_size=lay.chunk,
+        loss_chunk_size=lay.loss_chunk,
+        mlp_chunk_size=lay.mlp_chunk,
+        offload=lay.offload,
+        activation_checkpointing=lay.checkpointing,
+        activation_offload=lay.activation_offload,
+        data_parallel=lay.data_parallel,
+        micro_batch_size=lay.b,
+        precision=lay.precision,
+        param_bytes=lay.w,
+        optimizer=lay.optimizer,
+        components=tuple(components),
+        phases=tuple((phase, mo.total, mo.host_total) for phase, mo in at.items()),
+        peak_phase=peak,
+        device_total=at[peak].total,
+        host_total=max(mo.host_total for mo in at.values()),
+        combined=max(mo.total + mo.host_total for mo in at.values()),
+        between_steps=sum(term(lay).device for term in _BETWEEN_STEPS),
+        device_memory=lay.device_memory,
+    )
+
+
 def plan_memory(
     config: Any,
     *,
@@ -447,232 +1043,26 @@ def plan_memory(
                         ("mlp_chunk_size", mlp_chunk_size)):  # fmt: skip
         if value is not None:
             _check_int(name, value)
-    activation_checkpointing = bool(activation_checkpointing or activation_offload)  # offload implies it
     w, m, r, autocast = _dtypes(precision, param_dtype)
-    casting = autocast and w != m  # autocast makes (and linear saves) low-precision copies
     memory = None if device_memory is None else parse_bytes(device_memory)
 
-    # ---- layout: what shard_batch and the strategy make of the sequence ----
-    chunk = None
+    chunk = loss_chunk = mlp_chunk = None
     if mode == "fpdt":
-        chunk = min(fpdt_chunk_size or DEFAULT_FPDT_CHUNK_SIZE, -(-seq_len // P))  # strategy.chunk_size_for
-        loss_chunk_size = loss_chunk_size or default_loss_chunk_size(shape.vocab)
-        mlp_chunk_size = mlp_chunk_size or fpdt_chunk_size or DEFAULT_FPDT_CHUNK_SIZE
+        chunk = chunk_for(seq_len, P, fpdt_chunk_size or DEFAULT_FPDT_CHUNK_SIZE)  # the strategy's rule
+        loss_chunk = loss_chunk_size or default_loss_chunk_size(shape.vocab)
+        mlp_chunk = mlp_chunk_size or fpdt_chunk_size or DEFAULT_FPDT_CHUNK_SIZE
     multiple = P * (chunk or 1)
-    n_pad = -(-seq_len // multiple) * multiple
-    t = b * n_pad // P  # tokens per rank
-    bn = b * n_pad  # tokens of the sequences, seen by each rank in head layout
-
-    s = shape
-    d, L, H, hd, inter, V = s.d, s.layers, s.heads, s.head_dim, s.inter, s.vocab
-    if H % P == 0 and H % math.lcm(s.kv_heads, P) == 0:  # attention.common.spread_kv_heads
-        kv = s.kv_heads * (P // math.gcd(s.kv_heads, P))
-    else:
-        kv = H
-    h_r, kv_r = -(-H // P), -(-kv // P)  # heads per rank after the all-to-all (largest rank)
-    q_elems, kv_elems = bn * h_r * hd, bn * kv_r * hd  # one rank's q (or out) / k (or v) in head layout
-
-    # ---- parameters, gradients, optimizer ----
-    W = dp * P
-    shard = W if data_parallel == "fsdp" else 1
-    weights = -(-s.params // shard) * w
-    grads = 0 if data_parallel == "ddp" else weights  # DDP: views into its buckets (gradient_as_bucket_view)
-    states = OPTIMIZER_STATES[optimizer.lower()]
-    opt = states * weights
-    buckets = s.params * w if data_parallel == "ddp" else 0  # the strategy wraps in DDP even on one rank
-    mlp_weights = (3 if s.gated else 2) * d * inter  # one layer's
-    # weight casts linear saves for backward; FPDT's tiled MLP and chunked loss cast per chunk instead
-    cast_params = s.matmul_params - (L * mlp_weights + s.head_params if mode == "fpdt" else 0)
-    casts = cast_params * m if casting else 0
-    chunk_casts = m if casting else 0  # bytes per weight cast inside a chunked function
-    fsdp_step = s.root_params * w if data_parallel == "fsdp" else 0  # root stays unsharded (reshard=False)
-    fsdp_blocks = 2 * s.block_params * w if data_parallel == "fsdp" else 0  # current + prefetched block
-    fsdp_grads = (s.block_params + s.root_params) * w if data_parallel == "fsdp" else 0
-    opt_step = opt // 2 if states else 0  # foreach AdamW: one temporary per state (sqrt of exp_avg_sq)
-
-    # ---- activations kept for backward ----
-    fpdt = mode == "fpdt"
-    # FPDT keeps q, k and out in RoPE's output dtype: the residual's (fp32) under autocast
-    qa = r if (casting and fpdt) else m
-    lse_b = m if (autocast and fpdt) else max(4, m)  # FPDT's blocks run in the autocast dtype, lse too
-    mlp_tiled = fpdt
-    copies_qkv = 3 if casting else 1  # autocast casts the normed input once per projection
-    copies_mlp = (2 if s.gated else 1) if casting else 1
-    norm = (4 + r) * d * t  # x in fp32 and its normalised copy, saved by each of the two RMSNorms
-    qkv_in = copies_qkv * d * m * t
-    mlp_in = (d * r if mlp_tiled else copies_mlp * d * m) * t
-    store = 2 * q_elems * qa + kv_elems * (qa + m) + bn * h_r * lse_b  # q, out, k, v, lse
-    o_in = H * hd * m * t
-    mlp_saved = 0 if mlp_tiled else (4 if s.gated else 2) * inter * m * t
-    mlp_part = norm + mlp_in + mlp_saved  # freed by the time the layer's attention runs its backward
-    layer_full = norm + qkv_in + store + o_in + mlp_part  # one layer, nothing offloaded
-    layer_host = store if offload else 0
-    layer_device = layer_full - layer_host
-    head_in = d * r * t + 4 * t if fpdt else d * m * t  # chunked loss: hidden + lse; HF: lm_head's input
-    final = (4 + r) * d * t + head_in  # the final norm and the head's input: freed in the loss backward
-    model_once = final + 4 * 8 * t + 2 * hd * r * t  # + the batch's ids and the RoPE tables
-    if activation_checkpointing:
-        inputs = L * d * r * t  # the checkpointed layer inputs
-        acts_device, acts_host = (
-            (model_once, L * layer_host + inputs)
-            if activation_offload
-            else (inputs + model_once, L * layer_host)
-        )
-    else:
-        acts_device, acts_host = L * layer_device + model_once, L * layer_host
-
-    # ---- working sets ----
-    ct = max(m, 4)  # the softmax / loss dtype: fp32 (fp64 for fp64)
-    if fpdt:
-        lc = min(loss_chunk_size, t)
-        # forward: one logits block (+ its matmul-dtype original) and logsumexp's exp; backward: the
-        # recomputed block, exp, softmax - onehot, where(), * grad, the previous chunk's gradient, and
-        # the fp32 grad_w accumulator and grad_h
-        low = m if m != ct else 0  # autocast: the matmul-dtype logits (and gradient) beside the fp32 block
-        loss_fwd = lc * V * (ct + low) + s.head_params * chunk_casts
-        loss_bwd = (
-            lc * V * ((2 if s.softcap else 1) * ct + low)
-            + s.head_params * (ct + chunk_casts + low)
-            + d * r * t
-        )
-    else:
-        loss_fwd = t * V * (m + ct + (ct if m != ct else 0))  # logits (+ fp32 copy) + log-softmax
-        loss_bwd = 3 * ct * t * V  # log-softmax, its gradient, the logits' gradient
-    seg = b * P * chunk if fpdt else bn  # tokens of one FPDT segment
-    tile = min(FPDT_BLOCK_SIZE, seg // b) if fpdt else 0
-    grad_stream = d * max(r, 4) * t  # the residual stream's gradient (a norm's fp32 backward)
-    if fpdt:
-        per_seg = b * P * chunk * h_r * hd
-        tile_ws = b * h_r * tile * tile * (m if autocast else ct) + b * tile * tile
-        kv_buffer = 4 * b * P * chunk * kv_r * hd * qa if offload else 0  # 2 fetched (k, v) steps
-        # the outputs gathered so far, one segment (q, its fp32 accumulator and merge, the next q and kv
-        # in flight), a math score tile, the offload double buffer
-        ahead = per_seg * qa + 2 * b * P * chunk * kv_r * hd * qa
-        attn_fwd = q_elems * qa + per_seg * (qa + 8) + ahead + tile_ws + kv_buffer
-        parts = q_elems * qa + 2 * kv_elems * qa  # dq, dk, dv, all chunks (and their concatenation)
-        fetched = 2 * (per_seg * (qa + qa) + b * P * chunk * (h_r * 4 + 2 * kv_r * hd * qa)) if offload else 0
-        # the output's gradient throughout; early: every segment's dout and fp32 dq accumulator (the
-        # first kv segment reaches all q segments); late: dq/dk/dv of every chunk and their concatenation
-        early = q_elems * qa + bn * h_r * 4 + q_elems * ct + 2 * tile_ws + fetched
-        attn_bwd = q_elems * qa + max(early, 2 * parts)
-        comm = 2 * b * chunk * H * hd * qa  # send + receive of one chunk
-        mc = min(mlp_chunk_size, t)
-        n_mlp = 4 if s.gated else 2
-        # outputs + one chunk without grad; backward: grad_x + one chunk recomputed with grad (+ casts)
-        mlp_fwd = 2 * d * r * t + (n_mlp - 1) * mc * inter * m + mlp_weights * chunk_casts
-        mlp_bwd = 2 * d * r * t + (n_mlp + 3) * mc * inter * m + mlp_weights * chunk_casts
-    else:
-        attn_fwd = 0  # the kernel's out and lse are kept (activations); O(1) workspace
-        # the output's gradient in both layouts, dq/dk/dv in head layout and back in sequence layout
-        attn_bwd = 2 * q_elems * m + 2 * (q_elems + 2 * kv_elems) * m
-        comm = 2 * t * H * hd * m  # head_to_seq: the reshaped copy and the send buffer
-        mlp_fwd = d * m * t
-        mlp_bwd = (2 if s.gated else 1) * inter * m * t  # the activation's gradients (act*up is freed)
-    # the recomputed layer's first norm saves the checkpointed input itself when it is fp32 already
-    recompute_dev = layer_device - (d * 4 * t if r == 4 else 0) if activation_checkpointing else 0
-    recompute_host = layer_host if activation_checkpointing else 0
-    # activation offload: the last layer's input is alive on the device while it runs forward; in backward the
-    # recomputed layer's input and the one prefetched for the layer before it
-    running = d * r * t if activation_offload else 0
-    fetched = min(2, L) * d * r * t if activation_offload else 0
-
-    # ---- phases: what is alive at each candidate peak ----
-    ACTS, RECOMPUTE = "activations kept for backward", "layer recompute (checkpointing)"
-    resident = {"weights": weights, "optimizer state": opt, "DDP gradient buckets": buckets,
-                "FSDP unsharded params/grads": fsdp_step, "autocast weight copies": casts, ACTS: acts_device}  # fmt: skip
-
-    def layer_moment(base: dict[str, int], attn: int, mlp: int, extra: int) -> dict[str, int]:
-        """The last layer's attention or MLP moment, whichever is larger. The layer's MLP tensors do not
-        exist yet when its attention runs forward, and are freed when it runs backward."""
-        owner = RECOMPUTE if base.get(RECOMPUTE) else ACTS  # who holds the last layer's tensors
-        has_layer = bool(base.get(RECOMPUTE)) or not activation_checkpointing
-        at_attn = {**base, "attention working set": attn + extra, "all-to-all buffers": comm}
-        if has_layer:
-            at_attn[owner] -= mlp_part
-        at_mlp = {**base, "MLP working set": mlp + extra}
-        for name in ("attention working set", "all-to-all buffers", "MLP working set"):  # for "largest"
-            seen[name] = max(seen.get(name, 0), at_attn.get(name, 0), at_mlp.get(name, 0))
-        return max(at_attn, at_mlp, key=lambda parts: sum(parts.values()))
-
-    seen: dict[str, int] = {}  # working sets of the moments that are not a phase's peak
-    fsdp_fwd = {"FSDP unsharded params/grads": fsdp_step + fsdp_blocks}
-    fsdp_bwd = {"FSDP unsharded params/grads": fsdp_step + fsdp_blocks + fsdp_grads}
-    phases: dict[str, tuple[dict[str, int], int]] = {
-        "layer forward": (layer_moment({**resident, ACTS: acts_device + running, "gradients": grads, **fsdp_fwd},
-                                       attn_fwd, mlp_fwd, 0), acts_host),
-        "loss forward": ({**resident, "gradients": grads, "loss working set": loss_fwd}, acts_host),
-        "loss backward": ({**resident, "loss working set": loss_bwd}, acts_host),
-        "layer backward": (layer_moment({**resident, ACTS: acts_device - final + fetched, "gradients": 0, **fsdp_bwd,
-                                         RECOMPUTE: recompute_dev},
-                                        attn_bwd, mlp_bwd, grad_stream), acts_host + recompute_host),
-        "optimizer step": ({"weights": weights, "DDP gradient buckets": buckets, "FSDP unsharded params/grads":
-                            fsdp_step, "gradients": grads, "optimizer state": opt + opt_step}, 0),
-    }  # fmt: skip
-    totals = {name: (sum(parts.values()), host) for name, (parts, host) in phases.items()}
-    peak = max(totals, key=lambda k: totals[k][0])
-    host_peak = max(h for _, h in totals.values())
-
-    notes = {
-        "weights": f"{s.params:,} params x {w} B" + (f" / {shard} (FSDP)" if shard > 1 else ""),
-        "gradients": "FSDP's sharded gradients, freed between forward and backward (Lightning's zero_grad)",
-        "optimizer state": f"{optimizer.lower()}: {states} x params x {w} B" + (" + foreach temporary" if states else ""),
-        "DDP gradient buckets": "the gradients, as views into DDP's buckets (gradient_as_bucket_view=True)",
-        "FSDP unsharded params/grads": "root params; 2 blocks in flight; block + root grads in backward",
-        "autocast weight copies": f"{m}-byte casts of the weights linear keeps for backward",
-        "activations kept for backward": ("layer inputs (checkpointed)" if activation_checkpointing else
-                                          "per layer: norms, q/k/v/out/lse, projections" + (", MLP" if not mlp_tiled else ""))
-        + ("; host: FPDT chunks (offload)" if offload else "")
-        + ("; host: the layer inputs (activation offload)" if activation_offload else ""),
-        "loss working set": (f"chunked lm_head + loss: ({min(loss_chunk_size, t):,} x {V:,}) blocks" if fpdt
-                             else f"logits ({t:,} x {V:,}) fp32: log-softmax + gradients"),
-        "attention working set": (f"one segment of {seg // b:,} tokens, {tile}x{tile} score tile, dq/dk/dv" if fpdt
-                                  else "dq/dk/dv and their all-to-all copies"),
-        "MLP working set": f"tiled: {min(mlp_chunk_size, t):,}-token chunks" if mlp_tiled else "MLP gradients",
-        "all-to-all buffers": "send + receive of one all-to-all",
-        "layer recompute (checkpointing)": "one layer recomputed in backward",
-    }  # fmt: skip
-    components = []
-    for name in _ORDER:
-        at_peak = phases[peak][0].get(name, 0)
-        largest = max(seen.get(name, 0), *(parts.get(name, 0) for parts, _ in phases.values()))
-        host = acts_host if name == "activations kept for backward" else 0
-        if name == "layer recompute (checkpointing)":
-            host = recompute_host if peak == "layer backward" else 0
-        if largest == 0 and host == 0:
-            continue
-        note = notes[name]
-        if largest != at_peak:
-            note += f" (largest {format_bytes(largest)})"
-        components.append(MemoryComponent(name, at_peak, host, largest, note))
-    return MemoryPlan(
-        model=s.model_name,
-        params=s.params,
-        seq_len=seq_len,
-        padded_seq_len=n_pad,
-        tokens_per_device=t,
-        sequence_parallel_size=P,
-        data_parallel_size=dp,
-        mode=mode,
-        fpdt_chunk_size=chunk,
-        loss_chunk_size=loss_chunk_size if fpdt else None,
-        mlp_chunk_size=mlp_chunk_size if fpdt else None,
-        offload=bool(offload),
-        activation_checkpointing=activation_checkpointing,
-        activation_offload=bool(activation_offload),
-        data_parallel=data_parallel,
-        micro_batch_size=b,
-        precision=str(precision),
-        param_bytes=w,
-        optimizer=optimizer.lower(),
-        components=tuple(components),
-        phases=tuple((name, dev, host) for name, (dev, host) in totals.items()),
-        peak_phase=peak,
-        device_total=totals[peak][0],
-        host_total=host_peak,
-        combined=max(dev + host for dev, host in totals.values()),
-        between_steps=weights + grads + opt + buckets,
-        device_memory=memory,
-    )
+    padded = -(-seq_len // multiple) * multiple
+    kv = shape.kv_heads * kv_repeat_factor(shape.heads, shape.kv_heads, P)
+    lay = _Layout(
+        shape=shape, seq_len=seq_len, padded=padded, sp=P, dp=dp, b=b, t=b * padded // P, bn=b * padded,
+        mode=mode, chunk=chunk, loss_chunk=loss_chunk, mlp_chunk=mlp_chunk, offload=bool(offload),
+        checkpointing=bool(activation_checkpointing or activation_offload),  # offload implies it
+        activation_offload=bool(activation_offload), data_parallel=data_parallel, optimizer=optimizer.lower(),
+        states=OPTIMIZER_STATES[optimizer.lower()], precision=str(precision), w=w, m=m, r=r, autocast=autocast,
+        kv_heads=kv, heads_per_rank=-(-shape.heads // P), kv_per_rank=-(-kv // P), device_memory=memory,
+    )  # fmt: skip
+    return _plan(lay)
 
 
 def longest_sequence(

@@ -34,7 +34,12 @@ from transformers import PreTrainedModel
 from typing_extensions import override
 
 from lightning_longctx.comm import all_gather_object, count_all_to_all
-from lightning_longctx.config import DEFAULT_FPDT_CHUNK_SIZE, ResolvedConfig, SequenceParallelConfig
+from lightning_longctx.config import (
+    DEFAULT_FPDT_CHUNK_SIZE,
+    SUPPORTED_PRECISION,
+    ResolvedConfig,
+    SequenceParallelConfig,
+)
 from lightning_longctx.fsdp import FSDP2Sharding
 from lightning_longctx.integrations.context import BatchPositions, SequenceParallelContext
 from lightning_longctx.integrations.transformers import (
@@ -46,8 +51,6 @@ from lightning_longctx.integrations.transformers import (
 from lightning_longctx.mesh import ParallelLayout, build_device_mesh
 from lightning_longctx.sharding import global_positions, shard_batch
 from lightning_longctx.token_mean import TokenMeanWindow
-
-SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
 def _config_arguments(config_cls: type) -> Any:

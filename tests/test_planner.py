@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -278,3 +279,141 @@ def test_cli_refuses_what_it_cannot_plan(tmp_path, capsys):
     bad.write_text("trainer:\n  devices: auto\nmodel:\n  init_args:\n    model_config: {model_type: llama}\n")
     assert main(["plan", "--config", str(bad), "--seq-len", "1024"]) == 2
     assert "trainer.devices='auto'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pinned numbers: plan_memory and longest_sequence over a broad grid, against tests/data/planner_grid.json
+# ---------------------------------------------------------------------------------------------------
+
+GRID = Path(__file__).resolve().parent / "data" / "planner_grid.json"
+# the model shapes of the grid: GQA (TINY), MHA (BENCH), Llama-3-8B, heads that do not split over 8 ranks
+# (uneven: kv expanded to all heads), a non-gated MLP and a final-logit soft-cap with head_dim != d / H
+LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
+             "tie_word_embeddings": False}  # fmt: skip
+UNEVEN = {"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 192, "intermediate_size": 512,
+          "num_hidden_layers": 2, "num_attention_heads": 12, "num_key_value_heads": 4}  # fmt: skip
+NON_GATED = {"model_type": "gpt_neox", "vocab_size": 50304, "hidden_size": 512, "intermediate_size": 2048,
+             "num_hidden_layers": 4, "num_attention_heads": 8}  # fmt: skip
+SOFTCAP = {"model_type": "gemma2", "vocab_size": 32000, "hidden_size": 256, "intermediate_size": 1024,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 96}  # fmt: skip
+GRID_MODELS: dict[str, dict] = {"tiny_gqa": TINY, "bench_mha": BENCH, "llama3_8b": LLAMA3_8B,
+                                "qwen2_uneven_heads": UNEVEN, "gpt_neox_non_gated": NON_GATED,
+                                "gemma2_softcap": SOFTCAP}  # fmt: skip
+
+
+def _grid_points() -> list[tuple[str, dict]]:
+    """``(model, plan_memory kwargs)``: a full cross of the layout flags on BENCH, then seeded random points
+    over every argument and model. Only used to (re)write the JSON; the test reads the points from it."""
+    import itertools
+    import random
+
+    points = []
+    memory_modes = [("ulysses", False), ("fpdt", False), ("fpdt", True)]  # (mode, FPDT offload)
+    checkpointing = [(False, False), (True, False), (True, True)]  # (activation checkpointing, offload)
+    for (mode, offload), p, (ckpt, aoff), dp, precision in itertools.product(
+        memory_modes, (1, 2, 4, 8), checkpointing, ("ddp", "fsdp"), ("32-true", "bf16-mixed")
+    ):
+        kw = {"seq_len": 65536, "sequence_parallel_size": p, "mode": mode, "offload": offload,
+              "activation_checkpointing": ckpt, "activation_offload": aoff, "data_parallel": dp,
+              "data_parallel_size": 2 if dp == "fsdp" else 1, "precision": precision}  # fmt: skip
+        if mode == "fpdt":
+            kw["fpdt_chunk_size"] = 2048
+        points.append(("bench_mha", kw))
+    rng = random.Random(19)
+    precisions = ["32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
+    for _ in range(180):
+        mode, offload = rng.choice(memory_modes)
+        kw = {
+            "seq_len": rng.choice([4096, 10000, 32768, 65536, 131072, 262144, 1 << 20, 1 << 22, 1001]),
+            "sequence_parallel_size": rng.choice([1, 2, 4, 8]),
+            "data_parallel_size": rng.choice([1, 2, 4]),
+            "mode": mode,
+            "offload": offload,
+            "activation_checkpointing": rng.random() < 0.5,
+            "activation_offload": rng.random() < 0.3,  # also without the checkpointing flag: it implies it
+            "data_parallel": rng.choice(["ddp", "fsdp"]),
+            "micro_batch_size": rng.choice([1, 1, 2]),
+            "precision": rng.choice(precisions),
+            "optimizer": rng.choice(["adamw", "adamw", "adam", "sgd"]),
+        }
+        if kw["precision"] == "bf16-mixed" and rng.random() < 0.3:
+            kw["param_dtype"] = "bfloat16"
+        if mode == "fpdt":
+            kw["fpdt_chunk_size"] = rng.choice([None, 1024, 3000, 16384])
+            kw["loss_chunk_size"] = rng.choice([None, None, 512, 4096])
+            kw["mlp_chunk_size"] = rng.choice([None, None, 1024, 8192])
+        if rng.random() < 0.2:
+            kw["device_memory"] = rng.choice(["80GiB", "141GB", "1GiB"])
+        points.append((rng.choice(sorted(GRID_MODELS)), kw))
+    return points
+
+
+GRID_LONGEST = [  # (model, longest_sequence kwargs)
+    ("bench_mha", {"device_memory": "1GiB", "sequence_parallel_size": 2, "mode": "fpdt", "fpdt_chunk_size": 1024}),
+    ("bench_mha", {"device_memory": "4GiB", "sequence_parallel_size": 4}),
+    ("tiny_gqa", {"device_memory": "512MiB", "sequence_parallel_size": 8, "mode": "fpdt", "offload": True,
+                  "activation_offload": True}),
+    ("llama3_8b", {"device_memory": "80GiB", "sequence_parallel_size": 8, "mode": "fpdt", "fpdt_chunk_size": 16384,
+                   "precision": "bf16-mixed", "data_parallel": "fsdp", "activation_checkpointing": True}),
+    ("llama3_8b", {"device_memory": "141GB", "sequence_parallel_size": 8, "data_parallel_size": 4, "mode": "fpdt",
+                   "offload": True, "precision": "bf16-mixed", "data_parallel": "fsdp", "activation_offload": True}),
+    ("llama3_8b", {"device_memory": "80GiB", "sequence_parallel_size": 4, "precision": "bf16-true",
+                   "activation_checkpointing": True}),
+]  # fmt: skip
+
+
+def _grid_plan(plan: Any) -> dict:
+    """Everything a plan says: every field and component (``to_dict``) and the table it prints."""
+    return {**plan.to_dict(), "table": plan.table()}
+
+
+def _compute_grid(plan_fn: Any, longest_fn: Any, points: list, longest: list) -> dict:
+    configs = {}  # one config object per model: the shapes are cached by config
+
+    def config(name: str) -> Any:
+        if name not in configs:
+            cfg = dict(GRID_MODELS[name])
+            configs[name] = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        return configs[name]
+
+    return {
+        "plans": [
+            {"model": m, "kwargs": kw, "plan": _grid_plan(plan_fn(config(m), **kw))} for m, kw in points
+        ],
+        "longest_sequence": [
+            {"model": m, "kwargs": kw, "seq_len": longest_fn(config(m), **kw)} for m, kw in longest
+        ],
+    }
+
+
+def write_grid(plan_fn: Any = plan_memory, longest_fn: Any = longest_sequence, path: Path = GRID) -> None:
+    """(Re)write the pinned grid, one record per line (reviewable diffs)."""
+    grid = {"models": GRID_MODELS, **_compute_grid(plan_fn, longest_fn, _grid_points(), GRID_LONGEST)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = ["{", f'"models": {json.dumps(grid["models"], sort_keys=True)},']
+    for key in ("plans", "longest_sequence"):
+        rows = [json.dumps(row, sort_keys=True) for row in grid[key]]
+        lines.append(f'"{key}": [\n' + ",\n".join(rows) + "\n]" + ("," if key == "plans" else ""))
+    path.write_text("\n".join([*lines, "}"]) + "\n")
+
+
+def test_plans_are_pinned_to_the_grid():
+    """Every number and line of text of a few hundred plans and of longest_sequence, exactly as pinned. A
+    deliberate change of the model regenerates the file: ``python tests/test_planner.py`` (review its diff)."""
+    pinned = json.loads(GRID.read_text())
+    assert pinned["models"] == GRID_MODELS
+    points = [(row["model"], row["kwargs"]) for row in pinned["plans"]]
+    longest = [(row["model"], row["kwargs"]) for row in pinned["longest_sequence"]]
+    assert len(points) >= 300 and len(longest) >= 5
+    # through JSON as the pinned side went, so tuples compare as lists; ints (all of it) stay exact
+    got = json.loads(
+        json.dumps(_compute_grid(plan_memory, longest_sequence, points, longest), sort_keys=True)
+    )
+    for want, have in zip(pinned["plans"], got["plans"]):
+        assert have == want, f"{want['model']} {want['kwargs']}"
+    assert got["longest_sequence"] == pinned["longest_sequence"]
+
+
+if __name__ == "__main__":
+    write_grid()

@@ -120,6 +120,14 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
+def kv_repeat_factor(num_heads: int, kv_heads: int, world: int) -> int:
+    """Copies of each kv head :func:`spread_kv_heads` makes for ``world`` ranks (the planner counts them
+    too): ``P // gcd(h_kv, P)`` when ``h % lcm(h_kv, P) == 0``, else ``h // h_kv`` (one per query head)."""
+    if num_heads % world == 0 and num_heads % math.lcm(kv_heads, world) == 0:
+        return world // math.gcd(kv_heads, world)
+    return num_heads // kv_heads
+
+
 def spread_kv_heads(
     k: torch.Tensor, v: torch.Tensor, num_heads: int, world: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,11 +137,7 @@ def spread_kv_heads(
     (``repeat_interleave``: copies stay next to their original, so query head i still maps to a copy
     of kv head ``i // (h / h_kv)``); otherwise (uneven head split) kv is expanded to ``h`` heads.
     """
-    h_kv = k.shape[2]
-    if num_heads % world == 0 and num_heads % math.lcm(h_kv, world) == 0:
-        f = world // math.gcd(h_kv, world)
-    else:
-        f = num_heads // h_kv
+    f = kv_repeat_factor(num_heads, k.shape[2], world)
     if f == 1:
         return k, v
     return k.repeat_interleave(f, dim=2), v.repeat_interleave(f, dim=2)
