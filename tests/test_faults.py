@@ -1,11 +1,13 @@
 """Surviving faults: a rank SIGKILLed under torchrun, and SLURM's SIGUSR1 -> checkpoint -> requeue.
 
-Each run trains a tiny Llama with sp=2, FPDT chunking and host offload; after the restart the loss
-of every remaining step must equal the uninterrupted run's (same batches, same parameters).
+Each run trains a tiny Llama with sp=2, FPDT chunking and host offload (and, in one test, activation
+offload too); after the restart the loss of every step must equal the uninterrupted run's, and so must
+every final parameter (same batches, same ops in the same order).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_tiny.py"
 STEPS = 6
@@ -33,7 +36,12 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _torchrun(out: Path, *args: str) -> int:
+def _tail(output: str, lines: int = 80) -> str:
+    return "\n".join(output.splitlines()[-lines:])
+
+
+def _torchrun(out: Path, *args: str) -> tuple[int, str]:
+    """Run train_tiny.py on 2 ranks under torchrun; its return code and the tail of its stdout + stderr."""
     cmd = [
         sys.executable,
         "-m",
@@ -47,30 +55,99 @@ def _torchrun(out: Path, *args: str) -> int:
         str(STEPS),
         *args,
     ]
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300).returncode
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    return proc.returncode, _tail(f"{proc.stdout}\n--- stderr ---\n{proc.stderr}")
+
+
+def _run_ok(out: Path, *args: str) -> None:
+    code, output = _torchrun(out, *args)
+    assert code == 0, f"train_tiny.py {' '.join(args)} exited {code}:\n{output}"
+
+
+def _run_killed(out: Path, *args: str) -> None:
+    code, output = _torchrun(out, *args)  # torchrun tears the job down when rank 1 dies
+    assert code != 0, f"train_tiny.py {' '.join(args)} should have died, exited 0:\n{output}"
+    assert (out / "losses_rank0.jsonl").exists(), f"no step ran before the kill:\n{output}"
+    assert max(_losses(out)) == 2, (_losses(out), output)  # steps 0..2 done, step 3 never finished
+
+
+def _params(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "final_params.pt", map_location="cpu", weights_only=True)
+
+
+def _assert_same_losses(resumed: dict[int, float], full: dict[int, float]) -> None:
+    assert sorted(resumed) == list(range(STEPS))
+    for step in range(STEPS):
+        assert abs(resumed[step] - full[step]) < 1e-6, (step, resumed[step], full[step])
+
+
+def _assert_same_params(resumed: dict[str, torch.Tensor], full: dict[str, torch.Tensor]) -> None:
+    """Every parameter bit-identical: the resumed run does the same ops in the same order."""
+    assert sorted(resumed) == sorted(full)
+    differ = {
+        name: (resumed[name] - full[name]).abs().max().item()
+        for name in full
+        if not torch.equal(resumed[name], full[name])
+    }
+    assert not differ, f"parameters differ after resume (max abs diff): {differ}"
+
+
+def _assert_trained(params: dict[str, torch.Tensor]) -> None:
+    """The final parameters moved away from initialization, so comparing them proves something."""
+    from hf_models import tiny_model
+
+    init = tiny_model("llama").state_dict()
+    assert sorted(params) == sorted(init)
+    moved = [name for name in init if not torch.equal(params[name], init[name])]
+    assert any(name.endswith("weight") for name in moved), "training left every weight at its init"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    losses: dict[int, float]
+    params: dict[str, torch.Tensor]
+
+
+def _uninterrupted(out: Path, *args: str) -> Run:
+    _run_ok(out, *args)
+    run = Run(_losses(out), _params(out))
+    assert sorted(run.losses) == list(range(STEPS))
+    _assert_trained(run.params)
+    return run
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[int, float]:
-    out = tmp_path_factory.mktemp("full")
-    assert _torchrun(out) == 0
-    losses = _losses(out)
-    assert sorted(losses) == list(range(STEPS))
-    return losses
+def uninterrupted(tmp_path_factory) -> Run:
+    return _uninterrupted(tmp_path_factory.mktemp("full"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_activation_offload(tmp_path_factory) -> Run:
+    return _uninterrupted(tmp_path_factory.mktemp("full_act_offload"), "--activation-offload")
 
 
 @pytest.mark.slow
 def test_sigkill_one_rank_then_resume_matches(uninterrupted, tmp_path):
-    assert _torchrun(tmp_path, "--kill-at", "3") != 0  # torchrun tears the job down when rank 1 dies
-    assert max(_losses(tmp_path)) == 2
-    assert _torchrun(tmp_path, "--resume") == 0
-    resumed = _losses(tmp_path)
-    assert sorted(resumed) == list(range(STEPS))
-    for step in range(STEPS):
-        assert abs(resumed[step] - uninterrupted[step]) < 1e-6, (step, resumed[step], uninterrupted[step])
+    _run_killed(tmp_path, "--kill-at", "3")
+    _run_ok(tmp_path, "--resume")
+    _assert_same_losses(_losses(tmp_path), uninterrupted.losses)
+    _assert_same_params(_params(tmp_path), uninterrupted.params)
 
 
-def _srun_like(out: Path, port: int, bin_dir: Path, *args: str) -> list[int]:
+@pytest.mark.slow
+def test_sigkill_under_offload_and_activation_offload_then_resume_matches_every_parameter(
+    uninterrupted_activation_offload, tmp_path
+):
+    """FPDT host offload + activation offload (checkpointed layers, their inputs on the host): rank 1
+    SIGKILLed mid-step, resumed from the last checkpoint, every step's loss and every parameter as if
+    nothing had happened."""
+    _run_killed(tmp_path, "--activation-offload", "--kill-at", "3")
+    _run_ok(tmp_path, "--activation-offload", "--resume")
+    _assert_same_losses(_losses(tmp_path), uninterrupted_activation_offload.losses)
+    _assert_same_params(_params(tmp_path), uninterrupted_activation_offload.params)
+
+
+def _srun_like(out: Path, port: int, bin_dir: Path, *args: str) -> tuple[list[int], str]:
     """Start the 2 tasks of a faked one-node SLURM job the way srun would (Lightning does not launch)."""
     procs = []
     for rank in range(2):
@@ -90,11 +167,12 @@ def _srun_like(out: Path, port: int, bin_dir: Path, *args: str) -> list[int]:
         procs.append(
             subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
-    codes = []
-    for p in procs:
-        p.communicate(timeout=300)
+    codes, outputs = [], []
+    for rank, p in enumerate(procs):
+        stdout, _ = p.communicate(timeout=300)
         codes.append(p.returncode)
-    return codes
+        outputs.append(f"--- rank {rank} (exit {p.returncode}) ---\n{_tail(stdout)}")
+    return codes, "\n".join(outputs)
 
 
 @pytest.mark.slow
@@ -106,12 +184,12 @@ def test_slurm_sigusr1_checkpoints_requeues_and_resumes(uninterrupted, tmp_path)
     scontrol = bin_dir / "scontrol"
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
     scontrol.chmod(0o755)
-    assert _srun_like(tmp_path, free_port(), bin_dir, "--usr1-at", "3") == [0, 0]
+    codes, output = _srun_like(tmp_path, free_port(), bin_dir, "--usr1-at", "3")
+    assert codes == [0, 0], output
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
     assert list(tmp_path.glob("hpc_ckpt_*.ckpt")), "SIGUSR1 must leave an HPC checkpoint"
     # the requeued job starts again with the same command: Lightning resumes from the HPC checkpoint
-    assert _srun_like(tmp_path, free_port(), bin_dir) == [0, 0]
-    resumed = _losses(tmp_path)
-    assert sorted(resumed) == list(range(STEPS))
-    for step in range(STEPS):
-        assert abs(resumed[step] - uninterrupted[step]) < 1e-6, (step, resumed[step], uninterrupted[step])
+    codes, output = _srun_like(tmp_path, free_port(), bin_dir)
+    assert codes == [0, 0], output
+    _assert_same_losses(_losses(tmp_path), uninterrupted.losses)
+    _assert_same_params(_params(tmp_path), uninterrupted.params)

@@ -1,7 +1,9 @@
 """A tiny sequence-parallel training run for the fault tests, launched by torchrun or a faked srun.
 
 Writes one JSON line per optimizer step (``step``, ``loss``) to ``{out}/losses_rank{R}.jsonl`` and
-checkpoints after every step (``{out}/ckpt/last.ckpt``). ``--kill-at K`` SIGKILLs rank 1 when step K
+checkpoints after every step (``{out}/ckpt/last.ckpt``); after fit rank 0 writes the model's final
+parameters (``{out}/final_params.pt``, the HF state-dict keys). ``--activation-offload`` also checkpoints
+the decoder layers with their inputs kept in host memory. ``--kill-at K`` SIGKILLs rank 1 when step K
 starts; ``--usr1-at K`` sends SIGUSR1 to every rank after step K (what SLURM does before the time
 limit) and then exits like a requeued job.
 """
@@ -61,6 +63,7 @@ def main() -> None:
     p.add_argument("--kill-at", type=int)
     p.add_argument("--usr1-at", type=int)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--activation-offload", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     callbacks = [
@@ -70,7 +73,11 @@ def main() -> None:
         callbacks.append(SendUsr1(args.usr1_at))
     trainer = L.Trainer(
         strategy=UlyssesFPDTStrategy(
-            sequence_parallel_size=2, fpdt_chunk_size=4, offload=True, process_group_backend="gloo"
+            sequence_parallel_size=2,
+            fpdt_chunk_size=4,
+            offload=True,
+            activation_offload=args.activation_offload,
+            process_group_backend="gloo",
         ),
         accelerator="cpu",
         devices=2,
@@ -81,7 +88,13 @@ def main() -> None:
         default_root_dir=args.out,
         callbacks=callbacks,
     )
-    trainer.fit(Module(args.out, args.kill_at), ckpt_path="last" if args.resume else None)
+    module = Module(args.out, args.kill_at)
+    trainer.fit(module, ckpt_path="last" if args.resume else None)
+    if trainer.global_rank == 0:  # the strategy hands the model back plain: HF state-dict keys
+        torch.save(
+            {name: tensor.detach().clone() for name, tensor in module.model.state_dict().items()},
+            os.path.join(args.out, "final_params.pt"),
+        )
 
 
 if __name__ == "__main__":
