@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from lightning_longctx.config import SequenceParallelConfig
-from lightning_longctx.planner import MemoryPlan, format_bytes, longest_sequence, parse_bytes, plan_memory
+from lightning_longctx.planner import (
+    MemoryPlan,
+    format_bytes,
+    longest_sequence,
+    parallel_kwargs,
+    parse_bytes,
+    plan_memory,
+)
 
 __all__ = ["main", "plan_kwargs_from_config"]
 
@@ -95,20 +102,13 @@ def plan_kwargs_from_config(
         raise ValueError("no sequence length: the config has no data.init_args.seq_len; pass --seq-len")
     kwargs = {
         "seq_len": int(n),
-        "sequence_parallel_size": cfg.sp,
-        "data_parallel_size": cfg.dp,
-        "mode": cfg.mode,
-        "fpdt_chunk_size": given.fpdt_chunk_size,
-        "offload": cfg.offload,
-        "activation_checkpointing": cfg.activation_checkpointing or bool(model_args.get("activation_checkpointing")),
-        "activation_offload": given.activation_offload,
-        "data_parallel": given.data_parallel,
+        **parallel_kwargs(cfg),
         "micro_batch_size": int(data_args.get("batch_size", 1)),
         "precision": str(trainer.get("precision", "32-true")),
         "param_dtype": model_args.get("dtype"),
-        "loss_chunk_size": given.loss_chunk_size,
-        "mlp_chunk_size": given.mlp_chunk_size,
-    }  # fmt: skip
+    }
+    if model_args.get("activation_checkpointing"):  # CausalLM's own flag
+        kwargs["activation_checkpointing"] = True
     return model, kwargs, notes
 
 

@@ -72,11 +72,19 @@ from typing import Any
 
 from lightning_longctx.attention.common import kv_repeat_factor
 from lightning_longctx.chunked_loss import default_loss_chunk_size
-from lightning_longctx.config import DEFAULT_FPDT_CHUNK_SIZE, MODES, SUPPORTED_PRECISION
+from lightning_longctx.config import DEFAULT_FPDT_CHUNK_SIZE, MODES, SUPPORTED_PRECISION, ResolvedConfig
 from lightning_longctx.flops import _NON_GATED_MODEL_TYPES, _dims, _text_config, matmul_params
 from lightning_longctx.sharding import chunk_for
 
-__all__ = ["MemoryComponent", "MemoryPlan", "format_bytes", "longest_sequence", "parse_bytes", "plan_memory"]
+__all__ = [
+    "MemoryComponent",
+    "MemoryPlan",
+    "format_bytes",
+    "longest_sequence",
+    "parallel_kwargs",
+    "parse_bytes",
+    "plan_memory",
+]
 
 DATA_PARALLEL = ("ddp", "fsdp")
 #: optimizer name -> state tensors per parameter (kept in the parameter's dtype by torch.optim)
@@ -1063,6 +1071,25 @@ def plan_memory(
         kv_heads=kv, heads_per_rank=-(-shape.heads // P), kv_per_rank=-(-kv // P), device_memory=memory,
     )  # fmt: skip
     return _plan(lay)
+
+
+def parallel_kwargs(parallel: ResolvedConfig) -> dict[str, Any]:
+    """The :func:`plan_memory` / :func:`longest_sequence` keywords a resolved strategy configuration fixes
+    (``SequenceParallelConfig(...).resolve(...)``): the one mapping from the strategy's settings to the
+    plan, so ``plan_memory(model_config, seq_len=N, **parallel_kwargs(cfg))`` plans what the strategy runs."""
+    given = parallel.settings
+    return {
+        "sequence_parallel_size": parallel.sp,
+        "data_parallel_size": parallel.dp,
+        "mode": parallel.mode,
+        "fpdt_chunk_size": given.fpdt_chunk_size,
+        "offload": parallel.offload,
+        "activation_checkpointing": parallel.activation_checkpointing,
+        "activation_offload": given.activation_offload,
+        "data_parallel": given.data_parallel,
+        "loss_chunk_size": given.loss_chunk_size,
+        "mlp_chunk_size": given.mlp_chunk_size,
+    }
 
 
 def longest_sequence(

@@ -417,3 +417,25 @@ def test_plans_are_pinned_to_the_grid():
 
 if __name__ == "__main__":
     write_grid()
+
+
+def test_the_strategy_config_plans_through_one_mapping():
+    """parallel_kwargs(resolved config) is what the strategy runs: "auto" settled once, the layout's dp x sp,
+    checkpointing implied by activation offload; plan_memory takes it as it is."""
+    from lightning_longctx.config import SequenceParallelConfig
+    from lightning_longctx.planner import parallel_kwargs
+
+    cfg = SequenceParallelConfig(fpdt_chunk_size=2048, offload="auto", activation_offload=True).resolve(
+        world_size=16, devices_per_node=8, device_type="cuda"
+    )
+    kw = parallel_kwargs(cfg)
+    assert kw["sequence_parallel_size"] == 8 and kw["data_parallel_size"] == 2 and kw["mode"] == "fpdt"
+    assert (
+        kw["offload"] is True and kw["activation_checkpointing"] is True and kw["activation_offload"] is True
+    )
+    config = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2}  # fmt: skip
+    assert plan_memory(config, seq_len=65536, **kw).to_dict() == plan_memory(
+        config, seq_len=65536, sequence_parallel_size=8, data_parallel_size=2, mode="fpdt",
+        fpdt_chunk_size=2048, offload=True, activation_offload=True,
+    ).to_dict()  # fmt: skip
