@@ -7,7 +7,8 @@ What it wires together (each part lives in its own module):
   * attention / MLP / loss swapping in Hugging Face models (``integrations/transformers.py``),
   * the gradient reduction: DDP averages over all dp*sp ranks; the loss is multiplied by ``sp``
     in ``backward`` so that the average becomes "sum over sp, mean over dp" — each SP rank holds
-    only its tokens' share of the gradient of the SP group's global-mean loss (DESIGN §4).
+    only its tokens' share of the gradient of the SP group's global-mean loss (docs/user_guide.md,
+    "Loss semantics").
 
 Built on ``DDPStrategy`` rather than ``ModelParallelStrategy``: the parameters are replicated (no
 tensor parallelism), DDP's bucketed all-reduce over the whole world is exactly the reduction needed,
