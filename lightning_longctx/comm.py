@@ -338,27 +338,18 @@ def head_to_seq_packed_async(
 
 
 def seq_to_head_async(x: torch.Tensor, group: Group = None) -> PendingAllToAll:
-    """:func:`seq_to_head_no_grad` started in the background: ``.wait()`` gives ``(b, P*s, h_r, d)``.
+    """:func:`seq_to_head` outside autograd (for FPDT's own backward), started in the background:
+    ``.wait()`` gives ``(b, P*s, h_r, d)``.
     The layout copy into the send buffer happens now, the one out of the receive buffer at ``wait``."""
     return PendingAllToAll.done(x) if group_rank_size(group)[1] == 1 else _seq_to_head(x, group, True)
 
 
 def head_to_seq_async(x: torch.Tensor, num_heads: int, group: Group = None) -> PendingAllToAll:
-    """:func:`head_to_seq_no_grad` started in the background: ``.wait()`` gives ``(b, s, num_heads, d)``."""
+    """:func:`head_to_seq` outside autograd, started in the background: ``.wait()`` gives
+    ``(b, s, num_heads, d)``."""
     return (
         PendingAllToAll.done(x) if group_rank_size(group)[1] == 1 else _head_to_seq(x, num_heads, group, True)
     )
-
-
-def seq_to_head_no_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """:func:`seq_to_head` outside autograd, for code with its own backward (FPDT): ``(b, s, h, d)`` ->
-    ``(b, P*s, h_r, d)``."""
-    return x if group_rank_size(group)[1] == 1 else _seq_to_head(x, group)
-
-
-def head_to_seq_no_grad(x: torch.Tensor, num_heads: int, group: Group = None) -> torch.Tensor:
-    """:func:`head_to_seq` outside autograd: ``(b, P*s, h_r, d)`` -> ``(b, s, num_heads, d)``."""
-    return x if group_rank_size(group)[1] == 1 else _head_to_seq(x, num_heads, group)
 
 
 def seq_to_head(x: torch.Tensor, group: Group = None) -> torch.Tensor:

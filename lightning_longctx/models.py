@@ -1,6 +1,6 @@
 """``CausalLM``: a ready LightningModule around a Hugging Face causal LM.
 
-The training step is the user's code of DESIGN §3, unchanged: ``self.model(**batch).loss``.
+The training step is the code a user writes for one device, unchanged: ``self.model(**batch).loss``.
 Under :class:`~lightning_longctx.UlyssesFPDTStrategy` the batch arrives sharded along the
 sequence (``input_ids`` ``(b, s/P)``, pre-shifted ``shift_labels``, GLOBAL ``position_ids``) and
 the model's attention and loss are already swapped; on one device the same step trains plainly.

@@ -1,5 +1,7 @@
 """The architecture sweep (tests/arch_sweep.py) at P = 2 on gloo: no architecture may train WRONG under Ulysses
-or FPDT (exact, or refused with a clear error), and docs/architectures.md must show today's verdicts."""
+or FPDT (exact, or refused with a clear error), and docs/architectures.md must show today's verdicts.
+
+Slow tier (``-m slow``; the full ``python -m pytest -q`` runs it): every architecture is built and trained twice."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import difflib
 
 import pytest
 from arch_sweep import ARCHS, DOCS, MODES, SEQ, SKIPPED, WORLD, format_table, render_docs, sweep
+
+pytestmark = pytest.mark.slow
 
 MIN_ARCHITECTURES = 40
 _RESULTS: dict[str, list[dict]] = {}  # one pool call per mode, shared by the tests of this module

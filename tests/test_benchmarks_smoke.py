@@ -1,4 +1,7 @@
-"""The benchmark scripts run end to end at toy sizes and write the JSON (and PNG) they promise."""
+"""The benchmark scripts run end to end at toy sizes and write the JSON (and PNG) they promise.
+
+Slow tier (``-m slow``; the full ``python -m pytest -q`` runs it): each test launches a script in fresh processes.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 

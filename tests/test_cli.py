@@ -57,6 +57,7 @@ def _run(cmd: list[str], timeout: float, cwd: Path = ROOT) -> subprocess.Complet
 # ---- the demo, end to end, as a user runs it ----
 
 
+@pytest.mark.slow  # a real two-process fit of the demo config: about a minute on 2 cores
 def test_demo_cpu_trains_recall_well_above_chance_with_sp2(tmp_path):
     """Two processes launched by Lightning from the console script, sp=2; a short run of the demo."""
     steps = 350

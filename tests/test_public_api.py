@@ -1,4 +1,4 @@
-"""The public API is a contract (DESIGN §3): changing it must be deliberate."""
+"""The public API (`lightning_longctx.__all__`, README.md "Use") is a contract: changing it must be deliberate."""
 
 from __future__ import annotations
 
@@ -9,20 +9,24 @@ from lightning_longctx import callbacks
 from lightning_longctx.attention import fpdt_attention, ulysses_attention
 
 PUBLIC = {
+    "CausalLM",
     "UlyssesFPDTStrategy",
     "__version__",
     "callbacks",
     "chunked_lm_head_cross_entropy",
     "disable_sequence_parallel",
+    "enable_activation_checkpointing",
     "enable_sequence_parallel",
     "fpdt_attention",
     "gather_sequence",
+    "longest_sequence",
     "plan_memory",
     "sequence_parallel_cross_entropy",
     "shard_batch",
     "shard_sequence",
     "tile_mlp_",
     "ulysses_attention",
+    "untile_mlp_",
 }
 
 

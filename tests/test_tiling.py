@@ -82,6 +82,25 @@ def test_tile_mlp_keeps_state_dict_and_untiles():
         tile_mlp_(mlp, 0)
 
 
+def test_public_untile_restores_an_instance_forward():
+    """``lightning_longctx.untile_mlp_`` is the exported undo of ``tile_mlp_``: it puts back a forward that
+    someone else installed on the instance, and does nothing to a module that is not tiled."""
+    import lightning_longctx
+
+    mlp = SwiGLU(8, 24)
+    own = mlp.forward  # e.g. another library's wrapper, installed as an instance attribute
+    mlp.forward = own
+    assert lightning_longctx.tile_mlp_(mlp, 3) is mlp and is_tiled(mlp)
+    x = torch.randn(2, 7, 8, requires_grad=True)
+    tiled = mlp(x)
+    tiled.sum().backward()
+    assert x.grad is not None
+    assert lightning_longctx.untile_mlp_(mlp) is mlp
+    assert not is_tiled(mlp) and mlp.__dict__["forward"] is own
+    torch.testing.assert_close(mlp(x), tiled)
+    assert lightning_longctx.untile_mlp_(mlp) is mlp and mlp.__dict__["forward"] is own  # a no-op now
+
+
 def test_tiled_mlp_dropout_replays_rng():
     """With dropout on, the tiled backward is the gradient of the tiled forward (same masks)."""
     torch.manual_seed(0)
