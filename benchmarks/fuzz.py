@@ -53,22 +53,13 @@ def _targets() -> dict:
 
 def search(target: str, trials: int, seed: int, quiet: bool = False) -> list[dict]:
     """Run ``trials`` drawn cases (hypothesis, seeded, no shrinking, no database); one row per trial."""
-    from _dist import DistPool
+    from _dist import WarmPools
     from fuzz_common import run_verdict
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
 
     cases, runner, tolerance, timeout = _targets()[target]
-    pools: dict[int, DistPool] = {}
-
-    def pool_of(world: int) -> DistPool:
-        pool = pools.get(world)
-        if pool is None or pool.broken:
-            if pool is not None:
-                pool.close()
-            pool = pools[world] = DistPool(world)
-        return pool
-
+    pool_of = WarmPools()
     rows: list[dict] = []
 
     @settings(max_examples=trials, database=None, deadline=None, phases=[Phase.generate],
@@ -85,8 +76,7 @@ def search(target: str, trials: int, seed: int, quiet: bool = False) -> list[dic
     try:
         run()
     finally:
-        for pool in pools.values():
-            pool.close()
+        pool_of.close()
     return rows
 
 

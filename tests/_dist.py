@@ -145,6 +145,27 @@ class DistPool:
                 p.join(timeout=5)
 
 
+class WarmPools:
+    """One warm :class:`DistPool` per world size, rebuilt when a failure broke it: ``pools(world)``.
+    The test fixture and ``benchmarks/fuzz.py`` share it; :meth:`close` ends them all."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, DistPool] = {}
+
+    def __call__(self, world_size: int) -> DistPool:
+        pool = self._pools.get(world_size)
+        if pool is None or pool.broken:
+            if pool is not None:
+                pool.close()
+            pool = self._pools[world_size] = DistPool(world_size)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
 def run_spawned(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
     """One-shot: start ``world_size`` fresh processes, run ``fn``, tear everything down."""
     pool = DistPool(world_size)

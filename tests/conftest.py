@@ -8,19 +8,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _dist import DistPool
+from _dist import WarmPools
 
-_POOLS: dict[int, DistPool] = {}
-
-
-def get_pool(world_size: int) -> DistPool:
-    """A warm gloo pool of ``world_size`` ranks; rebuilt when a previous test broke it."""
-    pool = _POOLS.get(world_size)
-    if pool is None or pool.broken:
-        if pool is not None:
-            pool.close()
-        pool = _POOLS[world_size] = DistPool(world_size)
-    return pool
+#: A warm gloo pool per world size (rebuilt when a previous test broke it): ``get_pool(world_size)``.
+get_pool = WarmPools()
 
 
 @pytest.fixture
@@ -29,9 +20,7 @@ def dist_pool():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for pool in _POOLS.values():
-        pool.close()
-    _POOLS.clear()
+    get_pool.close()
 
 
 @pytest.fixture(autouse=True)
