@@ -135,3 +135,15 @@ def test_batch_positions_describe_their_batch_only():
     assert batch.documents(2).tolist() == [[1, 1, 2, 3, 3, 4, 4, 5], [1, 1, 2, 2, 3, 4, 4, 5]]
     local[0, 0] = 0  # in place: the version changes
     assert not batch.describes(local)
+
+
+def test_batch_positions_of_inference_tensors():
+    """Validation runs under torch.inference_mode, whose tensors keep no version counter."""
+    from lightning_longctx.integrations.context import BatchPositions
+
+    with torch.inference_mode():
+        full = packed_positions(1, 8, [3, 5])
+        local = full[:, 4:].clone()
+        batch = BatchPositions(local=local, full=full)
+        assert batch.describes(local) and not batch.describes(local.clone())
+        assert batch.documents().tolist() == [[1, 1, 1, 2, 2, 2, 2, 2]]

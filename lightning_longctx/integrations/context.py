@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from lightning_longctx.integrations.moe import MoEAuxLossPlan
 
 
+def _version(t: torch.Tensor) -> int:
+    """``t._version``; inference tensors (validation under ``torch.inference_mode``) keep none: -1."""
+    return -1 if t.is_inference() else t._version
+
+
 @dataclass(eq=False)
 class BatchPositions:
     """The GLOBAL position ids of one batch: ``local`` ``(b, s/P)`` this rank's shard, the very tensor the
@@ -31,7 +36,7 @@ class BatchPositions:
     _documents: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.version = self.local._version
+        self.version = _version(self.local)
 
     def describes(self, position_ids: torch.Tensor) -> bool:
         """Whether attention's ``position_ids`` are this batch's: the tensor itself, or a view with its
@@ -45,7 +50,7 @@ class BatchPositions:
             and p.storage_offset() == mine.storage_offset()
         ):
             return False
-        return mine._version == self.version
+        return _version(mine) == self.version
 
     def documents(self, chunk: int | None = None) -> torch.Tensor | None:
         """``(b, N)`` document ids in global order (``None``: one document per row); ``chunk``: chunked
