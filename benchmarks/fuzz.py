@@ -28,27 +28,13 @@ from common import environment, format_table, write_json  # noqa: E402
 
 def _targets() -> dict:
     """name -> (strategy of cases, the per-rank runner, tolerance, timeout per trial in s)."""
-    import fuzz_attention
+    import fuzz_attention as attn
+    import fuzz_strategy as strat
 
-    targets = {
-        "attention": (
-            fuzz_attention.attention_cases(),
-            fuzz_attention.run_attention,
-            fuzz_attention.TOLERANCE,
-            60.0,
-        )
+    return {
+        "attention": (attn.attention_cases(), attn.run_attention, attn.TOLERANCE, attn.TIMEOUT_S),
+        "strategy": (strat.strategy_cases(), strat.run_strategy, strat.TOLERANCE, strat.TIMEOUT_S),
     }
-    try:
-        import fuzz_strategy
-    except ImportError:
-        return targets
-    targets["strategy"] = (
-        fuzz_strategy.strategy_cases(),
-        fuzz_strategy.run_strategy,
-        fuzz_strategy.TOLERANCE,
-        240.0,
-    )
-    return targets  # fmt: skip
 
 
 def search(target: str, trials: int, seed: int, quiet: bool = False) -> list[dict]:

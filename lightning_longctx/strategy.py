@@ -345,7 +345,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
             ignore_index=self.config.settings.ignore_index,
             pad_token_id=self.config.settings.pad_token_id,
         )
-        if isinstance(out.get("position_ids"), Tensor):  # the batch's documents: known here, no collective
+        if self._contexts and isinstance(out.get("position_ids"), Tensor):  # the documents, no collective
             full = global_positions(batch, group=self.sp_group, chunk_size=chunk)
             for ctx in self._contexts:
                 ctx.positions = BatchPositions(local=out["position_ids"], full=full)

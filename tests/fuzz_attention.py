@@ -28,6 +28,7 @@ from lightning_longctx.attention import fpdt_attention, ulysses_attention
 from lightning_longctx.sharding import document_ids
 
 TOLERANCE = 1e-4
+TIMEOUT_S = 60.0  # per example: a hang is a failure naming the ranks and the case, not a stuck run
 #: A tensor whose reference is zero up to cancellation (dq and dk when every row attends only to itself)
 #: is compared against this fraction of the largest reference value of the case instead of its own
 #: largest value, which would be float64 noise: any error above TOLERANCE * FLOOR = 1e-6 of it still fails.

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from torch.utils.data import Dataset, DistributedSampler
 
 TOLERANCE = 1e-5
+TIMEOUT_S = 240.0  # per example: one Trainer step of a tiny model; world 4 on 2 cores takes ~10 s
 #: A parameter that is zero up to float noise (OPT's key biases start at 0 and get a gradient that softmax
 #: cancels: 1e-11 either way) is compared against this fraction of the model's largest parameter instead
 #: of its own size, as the architecture sweep does for gradients; an error above 1e-8 of it still fails.

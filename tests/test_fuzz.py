@@ -9,16 +9,14 @@ the same strategies and prints what it finds failing as cases ready to paste int
 from __future__ import annotations
 
 import pytest
+from fuzz_attention import TIMEOUT_S as EXAMPLE_TIMEOUT_S
 from fuzz_attention import TOLERANCE as ATTN_TOLERANCE
 from fuzz_attention import AttnCase, attention_cases, run_attention
 from fuzz_common import run_verdict
+from fuzz_strategy import TIMEOUT_S as STRATEGY_TIMEOUT_S
 from fuzz_strategy import TOLERANCE as STRATEGY_TOLERANCE
 from fuzz_strategy import StratCase, run_strategy, strategy_cases
 from hypothesis import HealthCheck, given, settings
-
-#: per example; a hang is a failure naming the ranks and the configuration, not a stuck suite
-EXAMPLE_TIMEOUT_S = 60.0
-STRATEGY_TIMEOUT_S = 240.0  # one Trainer step of a tiny model; world 4 on 2 cores takes ~10 s
 
 CI = settings(
     derandomize=True,
