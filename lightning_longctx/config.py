@@ -42,6 +42,10 @@ class SequenceParallelConfig:
         data_parallel: ``"ddp"`` (replicated parameters, DDP all-reduce over dp x sp) or ``"fsdp"``
             (FSDP2 ``fully_shard`` of every transformer block and of each HF model over all dp x sp
             ranks; checkpoints hold full, unsharded state dicts).
+        cpu_offload: keep the sharded parameters, their gradients and the optimizer states in host memory
+            (FSDP2's ``CPUOffloadPolicy``, pinned on CUDA); each block's parameters visit the device for its
+            forward and backward only, and the optimizer steps on the CPU. Needs ``data_parallel="fsdp"``
+            (also at world size 1).
         activation_checkpointing: enable HF gradient checkpointing (non-reentrant) on patched models.
         activation_offload: checkpoint the decoder layers (as ``activation_checkpointing``) and keep each
             layer's checkpointed input in pinned host memory until its recompute in backward, prefetched
@@ -64,6 +68,7 @@ class SequenceParallelConfig:
     offload: bool | Literal["auto"] = False
     attention_backend: str = "auto"
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
+    cpu_offload: bool = False
     activation_checkpointing: bool = False
     activation_offload: bool = False
     fpdt_overlap: bool = True
@@ -87,7 +92,7 @@ class SequenceParallelConfig:
             raise ValueError(
                 f"offload={self.offload!r}: use True, False or 'auto' (on when training on CUDA)"
             )
-        for name in ("activation_checkpointing", "activation_offload", "fpdt_overlap"):
+        for name in ("cpu_offload", "activation_checkpointing", "activation_offload", "fpdt_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: use True or False")
         if self.offload is True and self.fpdt_chunk_size is None:
@@ -101,6 +106,11 @@ class SequenceParallelConfig:
             raise ValueError(
                 f"data_parallel={self.data_parallel!r} is unknown; use 'ddp' (replicated parameters) or 'fsdp' "
                 "(FSDP2 fully_shard per transformer block over all dp x sp ranks)"
+            )
+        if self.cpu_offload and self.data_parallel != "fsdp":
+            raise ValueError(
+                f"cpu_offload=True with data_parallel={self.data_parallel!r}: the parameters, gradients and "
+                "optimizer states move to the host only when FSDP2 shards them; set data_parallel='fsdp'"
             )
 
     @property

@@ -7,6 +7,16 @@ dp x sp ranks is "sum over sp, mean over dp", exactly as DDP's all-reduce over t
 
 Checkpoints hold full, unsharded state dicts (gathered on every rank, kept on the CPU), so they load
 into the plain Hugging Face model; optimizer state is saved and restored the same way.
+
+``cpu_offload``: FSDP2's ``CPUOffloadPolicy`` on every ``fully_shard``. The sharded (fp32) parameters, their
+gradients and hence the optimizer states live in host memory (pinned on CUDA); a block's parameters are
+copied to the device for its all-gather, its gradients back after the reduce-scatter, and the optimizer
+steps on the CPU. Buffers (rotary ``inv_freq``) are not sharded: ``fully_shard`` moves them to the mesh's
+device with the parameters and only the sharded parameters return to the host.
+
+Mixed precision the FSDP2 way (Lightning's ``bf16-mixed`` / ``16-mixed``): ``MixedPrecisionPolicy`` over the
+fp32 sharded parameters: the all-gathered parameters, hence the activations and the residual stream, are
+in the low dtype; gradients are reduced in fp32 and the optimizer steps on fp32 master weights.
 """
 
 from __future__ import annotations
@@ -16,26 +26,63 @@ from typing import Any
 import torch
 from torch import nn
 
+#: Lightning's mixed precisions -> the dtype FSDP2 computes in (the sharded master weights stay fp32).
+MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def _fsdp2() -> Any:
+    """torch's FSDP2 module: ``fully_shard`` and its policies."""
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "fully_shard"):  # torch 2.5 has FSDP2 under its composable API only
+        import torch.distributed._composable.fsdp as fsdp
+    return fsdp
+
+
+def _outermost_models(model: nn.Module) -> list[nn.Module]:
+    from transformers import PreTrainedModel
+
+    roots = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+    return [m for m in roots if not any(m is not r and m in set(r.modules()) for r in roots)]
+
+
+def move_all_but_models(module: nn.Module, device: torch.device) -> None:
+    """Move ``module`` to ``device`` except its transformers models, which stay where they are (on the host
+    under ``cpu_offload``: ``fully_shard`` moves them one block at a time and shards them back to the host)."""
+    roots = _outermost_models(module)
+    if any(module is r for r in roots):
+        return
+    if not roots:
+        module.to(device)
+        return
+    for name, buffer in list(module.named_buffers(recurse=False)):
+        setattr(module, name, buffer.to(device))
+    for child in module.children():
+        move_all_but_models(child, device)
+
 
 class FSDP2Sharding:
-    """Shards the transformers models of a LightningModule with ``fully_shard`` over one 1-D mesh."""
+    """Shards the transformers models of a LightningModule with ``fully_shard`` over one 1-D mesh.
 
-    def __init__(self, device_type: str, world_size: int) -> None:
+    ``cpu_offload``: parameters, gradients and optimizer states in host memory (pinned when the mesh is on
+    CUDA)."""
+
+    def __init__(self, device_type: str, world_size: int, *, cpu_offload: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
+        fsdp = _fsdp2()
         self.mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp_sp",))
+        # pinned host memory needs CUDA; on the CPU the same FSDP2 offload path runs unpinned
+        self.offload_policy = (
+            fsdp.CPUOffloadPolicy(pin_memory=device_type == "cuda") if cpu_offload else fsdp.OffloadPolicy()
+        )
 
-    def shard(self, model: nn.Module) -> nn.Module:
+    def shard(self, model: nn.Module, *, param_dtype: torch.dtype | None = None) -> nn.Module:
         """``fully_shard`` every transformer block (the model's ``_no_split_modules``) and each outermost
-        ``PreTrainedModel``; parameters outside them are refused (they would stay unsynchronised)."""
-        try:
-            from torch.distributed.fsdp import fully_shard
-        except ImportError:  # torch 2.5 has it under its composable API only
-            from torch.distributed._composable.fsdp import fully_shard
-        from transformers import PreTrainedModel
-
-        roots = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
-        roots = [m for m in roots if not any(m is not r and m in set(r.modules()) for r in roots)]
+        ``PreTrainedModel``; parameters outside them are refused (they would stay unsynchronised).
+        ``param_dtype``: compute in it over the fp32 sharded parameters, reduce gradients in fp32 (FSDP2's
+        ``MixedPrecisionPolicy``); ``None``: compute in the parameters' dtype."""
+        roots = _outermost_models(model)
         covered = {id(p) for r in roots for p in r.parameters()}
         stray = [n for n, p in model.named_parameters() if id(p) not in covered]
         if not roots or stray:
@@ -43,12 +90,19 @@ class FSDP2Sharding:
                 "data_parallel='fsdp' shards transformers models; parameters outside them "
                 f"({stray[:3] or 'no transformers model found'}) are not handled. Use data_parallel='ddp'"
             )
+        fsdp = _fsdp2()
+        mp_policy = (
+            fsdp.MixedPrecisionPolicy()
+            if param_dtype is None
+            else fsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        )
+        kwargs = {"mesh": self.mesh, "mp_policy": mp_policy, "offload_policy": self.offload_policy}
         for root in roots:
             block_names = set(getattr(root, "_no_split_modules", None) or [])
             for module in root.modules():
                 if type(module).__name__ in block_names:
-                    fully_shard(module, mesh=self.mesh)
-            fully_shard(root, mesh=self.mesh)
+                    fsdp.fully_shard(module, **kwargs)
+            fsdp.fully_shard(root, **kwargs)
         return model
 
     @staticmethod

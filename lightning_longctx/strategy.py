@@ -23,12 +23,14 @@ import hashlib
 import inspect
 import textwrap
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from transformers import PreTrainedModel
@@ -41,7 +43,7 @@ from lightning_longctx.config import (
     ResolvedConfig,
     SequenceParallelConfig,
 )
-from lightning_longctx.fsdp import FSDP2Sharding
+from lightning_longctx.fsdp import MIXED_PRECISION_DTYPES, FSDP2Sharding, move_all_but_models
 from lightning_longctx.integrations.context import BatchPositions, SequenceParallelContext
 from lightning_longctx.integrations.transformers import (
     context_of,
@@ -165,6 +167,8 @@ class UlyssesFPDTStrategy(DDPStrategy):
         self._config: ResolvedConfig | None = None
         self._mesh: Any = None
         self._fsdp: FSDP2Sharding | None = None
+        self._precision = "32-true"  # Lightning's, read in setup
+        self._fitting = False
         self._token_mean: TokenMeanWindow | None = None
         self._contexts: list[SequenceParallelContext] = []
         self._undo: list[Callable[[], None]] = []  # what teardown calls to restore the models' checkpointing
@@ -233,12 +237,22 @@ class UlyssesFPDTStrategy(DDPStrategy):
             )
         self._mesh = build_device_mesh(layout, self.root_device.type)
         if cfg.settings.data_parallel == "fsdp":
-            self._fsdp = FSDP2Sharding(self.root_device.type, self.world_size)
+            self._fsdp = FSDP2Sharding(
+                self.root_device.type, self.world_size, cpu_offload=cfg.settings.cpu_offload
+            )
         if cfg.settings.loss_normalization == "tokens":
             self._token_mean = TokenMeanWindow(
                 world_size=self.world_size, dp_size=layout.dp, ignore_index=cfg.settings.ignore_index
             )
         rank_zero_info(f"UlyssesFPDTStrategy: {cfg}")
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        backend = super()._get_process_group_backend()
+        if self.sp_config.cpu_offload and self.root_device.type != "cpu" and ":" not in backend:
+            # the sharded gradients live on the host: gradient clipping's norm is reduced over CPU tensors
+            return f"{self.root_device.type}:{backend},cpu:gloo"
+        return backend
 
     @override
     def _configure_launcher(self) -> None:
@@ -264,6 +278,8 @@ class UlyssesFPDTStrategy(DDPStrategy):
             raise ValueError(
                 f"precision={precision!r} is not supported by UlyssesFPDTStrategy; use one of {SUPPORTED_PRECISION}"
             )
+        self._precision = precision
+        self._fitting = trainer.state.fn == TrainerFn.FITTING
         self._patch_models()
         super().setup(trainer)
 
@@ -294,8 +310,31 @@ class UlyssesFPDTStrategy(DDPStrategy):
 
     # ---- DDP, or FSDP2 through its own object (fsdp.py) ----
     @override
+    def model_to_device(self) -> None:
+        if not (self._fitting and self.sp_config.cpu_offload):
+            return super().model_to_device()
+        # The transformers models stay on the host (where tensor_init_context built them): fully_shard (in
+        # _setup_model) moves one block at a time to the device and keeps only its shard, on the host again.
+        move_all_but_models(self.model, self.root_device)
+        return None
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # configure_model runs in it: under cpu_offload the model is built on the host, never whole on the device
+        with (
+            super().tensor_init_context(empty_init),
+            torch.device("cpu") if self.sp_config.cpu_offload else nullcontext(),
+        ):
+            yield
+
+    @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return super()._setup_model(model) if self._fsdp is None else self._fsdp.shard(model)
+        if self._fsdp is None:
+            return super()._setup_model(model)
+        # bf16-mixed / 16-mixed: FSDP2 computes in the low dtype over fp32 master weights (Lightning's
+        # autocast stays on: harmless over low-precision parameters, and it keeps its fp32 ops in fp32)
+        return self._fsdp.shard(model, param_dtype=MIXED_PRECISION_DTYPES.get(self._precision))
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

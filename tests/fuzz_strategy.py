@@ -3,9 +3,9 @@
 :func:`strategy_cases` draws an architecture from the sweep's list (``arch_sweep.ARCHS``, dense ones:
 the MoE auxiliary loss has its own tests; mostly those the sweep finds exact, sometimes a refused one), the world size and sequence-parallel size (dp = world / sp),
 gradient accumulation, Ulysses or FPDT (chunk size), FPDT offload and overlap, activation checkpointing, activation
-offload, DDP or FSDP2, packed documents (position ids restarting at 0, the first label of a document
-ignored as ``DataCollatorWithFlattening`` does), the sequence length (also one that does not divide) and
-the loss normalization. :func:`run_strategy` trains one optimizer step (SGD) under
+offload, DDP or FSDP2 (with or without model-state offload to the host), packed documents (position ids
+restarting at 0, the first label of a document ignored as ``DataCollatorWithFlattening`` does), the sequence
+length (also one that does not divide) and the loss normalization. :func:`run_strategy` trains one optimizer step (SGD) under
 ``UlyssesFPDTStrategy`` on every rank and compares EVERY parameter with a single-process loop on the
 same global batch, which runs each packed document on its own (so the reference knows nothing of our
 document masks): relative error within :data:`TOLERANCE`, or a clear refusal (``fuzz_common``).
@@ -13,6 +13,7 @@ document masks): relative error within :data:`TOLERANCE`, or a clear refusal (``
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -57,6 +58,7 @@ class StratCase:
     activation_checkpointing: bool = False
     activation_offload: bool = False
     data_parallel: str = "ddp"
+    cpu_offload: bool = False
     packed: bool = False
     loss_normalization: str = "tokens"
     seed: int = 0
@@ -78,7 +80,7 @@ def strategy_cases(draw: st.DrawFn, archs: list[str] | None = None) -> StratCase
     exact, dense = _dense_archs()
     # mostly models the sweep runs exactly; now and then any dense one (refused ones must refuse cleanly)
     pool = archs or draw(st.sampled_from([exact] * 5 + [dense]))
-    return StratCase(
+    case = StratCase(
         arch=draw(st.sampled_from(pool)),
         world=world,
         sp=sp,
@@ -94,6 +96,9 @@ def strategy_cases(draw: st.DrawFn, archs: list[str] | None = None) -> StratCase
         loss_normalization=draw(st.sampled_from(["tokens", "micro_batch"])),
         seed=draw(st.integers(0, 2**16)),
     )
+    if case.data_parallel == "fsdp":  # drawn last: the earlier draws of every example stay as they were
+        case = dataclasses.replace(case, cpu_offload=draw(st.booleans()))
+    return case
 
 
 class FuzzDataset(Dataset):
@@ -196,6 +201,7 @@ def run_strategy(case: StratCase) -> tuple[str, object]:
             activation_checkpointing=case.activation_checkpointing,
             activation_offload=case.activation_offload,
             data_parallel=case.data_parallel,
+            cpu_offload=case.cpu_offload,
             loss_normalization=case.loss_normalization,
         )
         trainer = L.Trainer(
