@@ -51,21 +51,35 @@ DEFAULT_POINTS = (
     "8192:4:fpdt",
     "8192:2:ulysses:aoff",
     "16384:2:fpdt:offload:aoff",
+    # FSDP2: sharded state, state offload (cpu_offload), the MixedPrecisionPolicy (fsdp + bf16-mixed)
+    "8192:2:fpdt:fsdp:ckpt",
+    "8192:2:fpdt:coff:aoff",
+    "8192:2:fpdt:offload:coff:ckpt",
+    "8192:2:fpdt:mp:ckpt",
+    "8192:2:fpdt:coff:mp:aoff",
+    "8192:2:ulysses:coff:mp",
 )
-SMOKE_POINTS = ("1024:2:ulysses", "1024:2:fpdt:offload:aoff")
+SMOKE_POINTS = ("1024:2:ulysses", "1024:2:fpdt:offload:aoff", "1024:2:fpdt:coff:mp:ckpt")
+FLAGS = {"offload", "ckpt", "aoff", "fsdp", "coff", "mp"}
 
 
 def parse_point(text: str) -> dict[str, Any]:
-    """``N:P:mode[:offload][:ckpt][:aoff]`` -> the point's settings (``aoff``: activation offload, which
-    checkpoints too)."""
+    """``N:P:mode[:offload][:ckpt][:aoff][:fsdp][:coff][:mp]`` -> the point's settings (``aoff``: activation
+    offload, which checkpoints too; ``coff``: ``cpu_offload``, FSDP; ``mp``: FSDP with ``bf16-mixed``, i.e. the
+    MixedPrecisionPolicy)."""
     parts = text.split(":")
     flags = set(parts[3:])
-    if len(parts) < 3 or parts[2] not in ("ulysses", "fpdt") or flags - {"offload", "ckpt", "aoff"}:
+    if len(parts) < 3 or parts[2] not in ("ulysses", "fpdt") or flags - FLAGS:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: write N:P:ulysses|fpdt[:offload][:ckpt][:aoff], e.g. 32768:2:fpdt:offload"
+            f"{text!r}: write N:P:ulysses|fpdt[:offload][:ckpt][:aoff][:fsdp][:coff][:mp], e.g. 32768:2:fpdt:offload"
         )
     return {"N": int(parts[0]), "P": int(parts[1]), "mode": parts[2], "offload": "offload" in flags,
-            "ckpt": "ckpt" in flags or "aoff" in flags, "aoff": "aoff" in flags}  # fmt: skip
+            "ckpt": "ckpt" in flags or "aoff" in flags, "aoff": "aoff" in flags,
+            "fsdp": bool(flags & {"fsdp", "coff", "mp"}), "coff": "coff" in flags, "mp": "mp" in flags}  # fmt: skip
+
+
+def precision_of(args: argparse.Namespace, point: dict[str, Any]) -> str:
+    return "bf16-mixed" if point["mp"] else args.precision
 
 
 def model_config(args: argparse.Namespace, n: int) -> dict[str, Any]:
@@ -108,9 +122,11 @@ def _point(args: argparse.Namespace, point: dict[str, Any]) -> dict[str, Any]:
         offload=point["offload"],
         activation_checkpointing=point["ckpt"],
         activation_offload=point["aoff"],
+        data_parallel="fsdp" if point["fsdp"] else "ddp",
+        cpu_offload=point["coff"],
         process_group_backend="gloo",
     )
-    trainer = L.Trainer(accelerator="cpu", devices=point["P"], strategy=strategy, precision=args.precision,
+    trainer = L.Trainer(accelerator="cpu", devices=point["P"], strategy=strategy, precision=precision_of(args, point),
                         max_steps=args.measure_step + 1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         callbacks=[meter])  # fmt: skip
@@ -139,8 +155,11 @@ def plan(args: argparse.Namespace, point: dict[str, Any]) -> Any:
         offload=point["offload"],
         activation_checkpointing=point["ckpt"],
         activation_offload=point["aoff"],
-        precision=args.precision,
+        data_parallel="fsdp" if point["fsdp"] else "ddp",
+        cpu_offload=point["coff"],
+        precision=precision_of(args, point),
         optimizer="adamw",
+        device_reserve=0,  # live tensor bytes, as measured: no CUDA context on a CPU
     )
 
 
@@ -195,14 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     points = args.points or [parse_point(x) for x in DEFAULT_POINTS]
     common.use_malloc_threshold(args.malloc_mmap_threshold)
     args.points = [":".join(map(str, (q["N"], q["P"], q["mode"]))) + (":offload" if q["offload"] else "")
-                   + (":aoff" if q["aoff"] else ":ckpt" if q["ckpt"] else "") for q in points]  # fmt: skip
+                   + (":aoff" if q["aoff"] else ":ckpt" if q["ckpt"] else "")
+                   + (":coff" if q["coff"] else ":fsdp" if q["fsdp"] and not q["mp"] else "")
+                   + (":mp" if q["mp"] else "") for q in points]  # fmt: skip
 
     rows = []
     for point in points:
         row = run_point(args, point)
         rows.append(row)
         where = (f"N={point['N']:>6} P={point['P']} {point['mode']:>7}{' offload' * point['offload']}"
-                 f"{' ckpt' * point['ckpt']}{' act-offload' * point['aoff']}")  # fmt: skip
+                 f"{' ckpt' * point['ckpt']}{' act-offload' * point['aoff']}{' fsdp' * point['fsdp']}"
+                 f"{' cpu_offload' * point['coff']}{' mp' * point['mp']}")  # fmt: skip
         if row["status"] == "ok":
             print(f"{where}: step planned {row['planned_step_mib']:7.1f} measured {row['measured_step_mib']:7.1f} MiB "
                   f"({row['step_error_pct']:+.1f}%), total {row['total_error_pct']:+.1f}%, {row['step_s']:.0f} s step",
@@ -211,9 +233,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{where}: {row['status']}", flush=True)
             print(row.get("log_tail", ""), end="", file=sys.stderr)
 
-    shown = [{**r, **{k: "on" if r[k] else "off" for k in ("offload", "ckpt", "aoff")}} for r in rows]
+    shown = [{**r, **{k: "on" if r[k] else "off" for k in ("offload", "ckpt", "aoff", "coff", "mp")},
+              "dp": "FSDP" if r["fsdp"] else "DDP"} for r in rows]  # fmt: skip
     columns = [("N", "N", ""), ("P", "P", ""), ("mode", "mode", ""), ("offload", "offload", ""), ("ckpt", "ckpt", ""),
-               ("aoff", "act. offload", ""), ("planned_step_mib", "planned step MiB", ".1f"), ("measured_step_mib", "measured step MiB", ".1f"),
+               ("aoff", "act. offload", ""), ("dp", "dp", ""), ("coff", "cpu_offload", ""), ("mp", "MP policy", ""), ("planned_step_mib", "planned step MiB", ".1f"), ("measured_step_mib", "measured step MiB", ".1f"),
                ("step_error_pct", "error %", "+.1f"), ("planned_total_mib", "planned total MiB", ".1f"),
                ("measured_total_mib", "measured total MiB", ".1f"), ("total_error_pct", "total error %", "+.1f"),
                ("peak_phase", "planned peak", ""), ("status", "status", "")]  # fmt: skip

@@ -3,13 +3,15 @@
 Usage (the console script routes ``lightning-longctx plan ...`` here)::
 
     lightning-longctx plan --config examples/configs/llama3_8b_1m_fpdt_8gpu.yaml --device-memory 80GiB
+    lightning-longctx plan --config examples/configs/llama3_8b_500k_1gpu.yaml --device-memory 80GiB --host-memory 1TB
     lightning-longctx plan --config my.yaml --seq-len 262144 --json
 
 Read from the YAML: ``model.init_args.model_config`` (or ``pretrained_path``, a local directory),
 ``model.init_args.dtype`` and ``activation_checkpointing``; ``trainer.devices``, ``num_nodes``,
 ``precision``, ``accelerator`` and ``strategy`` (``UlyssesFPDTStrategy`` with its ``init_args``, e.g.
 ``activation_offload``, or a
-registered name such as ``ulysses_fpdt``); ``data.init_args.seq_len`` and ``batch_size``.
+registered name such as ``ulysses_fpdt``); ``data.init_args.seq_len`` and ``batch_size``. The host's
+devices default to ``trainer.devices``; ``--host-memory`` is per host (node).
 """
 
 from __future__ import annotations
@@ -123,6 +125,11 @@ def _parser() -> argparse.ArgumentParser:
         "--seq-len", type=int, default=None, help="tokens per sequence (default: data.init_args.seq_len)"
     )
     p.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GiB, 141GB; adds the longest sequence that fits")  # fmt: skip
+    p.add_argument("--host-memory", default=None, help="memory per host (node), e.g. 1.9TB; fits and the longest sequence respect it too")  # fmt: skip
+    p.add_argument("--devices-per-host", type=int, default=None, help="devices sharing one host's memory (default: trainer.devices)")  # fmt: skip
+    p.add_argument("--device-reserve", default=None, help="device bytes outside the plan (default: 1 GiB CUDA context + 5%% of the peak)")  # fmt: skip
+    p.add_argument("--host-reserve", default=None, help="host bytes per rank outside the plan (default: 4 GiB, the process)")  # fmt: skip
+    p.add_argument("--lora-rank", type=int, default=None, help="plan LoRA adapters of this rank on every linear layer of the blocks (frozen base weights)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     return p
 
@@ -141,6 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             yaml.safe_load(path.read_text()) or {}, seq_len=args.seq_len
         )
         memory = None if args.device_memory is None else parse_bytes(args.device_memory)
+        given = {"host_memory": args.host_memory, "devices_per_host": args.devices_per_host,
+                 "device_reserve": args.device_reserve, "host_reserve": args.host_reserve,
+                 "lora_rank": args.lora_rank}  # fmt: skip
+        kwargs.update({k: v for k, v in given.items() if v is not None})
         plan: MemoryPlan = plan_memory(model, device_memory=memory, **kwargs)
         longest = None
         if memory is not None:
@@ -160,9 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"note: {note}")
     if longest is not None:
         step = "P x chunk" if kwargs["mode"] == "fpdt" else "P x 1024"
-        print(
-            f"longest sequence within {format_bytes(memory)} per device: {longest:,} tokens (multiples of {step})"
+        within = f"{format_bytes(memory)} per device" + (
+            f" and {format_bytes(plan.host_memory)} per host" if plan.host_memory is not None else ""
         )
+        print(f"longest sequence within {within}: {longest:,} tokens (multiples of {step})")
     return 0
 
 

@@ -3,30 +3,33 @@
 :func:`plan_memory` models one steady-state training step (forward, backward, optimizer step) of a
 Hugging Face decoder LM under :class:`~lightning_longctx.UlyssesFPDTStrategy`, from the model config
 and the strategy's settings alone (no weights, no GPU). :func:`longest_sequence` searches the longest
-sequence whose per-device peak fits a memory size. ``lightning-longctx plan --config my.yaml`` prints
-both for a LightningCLI config.
+sequence whose plan fits a device (and a host) memory size. ``lightning-longctx plan --config my.yaml``
+prints both for a LightningCLI config.
 
 The model follows the code of this package and of PyTorch/transformers tensor by tensor (checked
 against a step's allocations with the PyTorch profiler and against peak RSS; docs/benchmarks.md).
 Per rank, with ``t = micro_batch_size * N / P`` local tokens, ``d, L, H, H_kv, hd, I, V`` the
-config's dims, ``w`` the parameter bytes, ``m`` the matmul (autocast) bytes, ``r`` the residual
-stream's bytes (the embedding's dtype):
+config's dims, ``w`` the (master) parameter bytes, ``pw`` the bytes of the parameters the compute reads
+(FSDP2's MixedPrecisionPolicy: bf16 over fp32 master weights under ``fsdp`` + ``bf16-mixed``; else ``w``),
+``m`` the matmul (autocast) bytes, ``r`` the residual stream's bytes (the embedding's dtype):
 
-* **weights, gradients** ``= n_params * w`` (``/ (dp*sp)`` with FSDP); **optimizer state** = 2 states
-  (AdamW) ``* n_params * w`` (torch keeps them in the parameter dtype; Lightning's ``bf16-mixed``
-  keeps fp32 weights, which are the master copy: no extra one); DDP: the gradients are views into its
-  all-reduce buckets (the strategy sets ``gradient_as_bucket_view=True``), allocated for the whole run,
-  so they show as **DDP gradient buckets** in every phase; FSDP: the unsharded root
-  parameters (embedding, head, final norm) for the step, two unsharded blocks (current + prefetched)
-  and one block's plus the root's unsharded gradients in backward.
+* **weights** ``= n_params * w`` (``/ (dp*sp)`` with FSDP; LoRA adapters included); **gradients** and
+  **optimizer state** (2 AdamW states, in the parameter dtype) of the trainable parameters only (LoRA: the
+  adapters, the frozen base has none); with ``cpu_offload`` (FSDP2's CPUOffloadPolicy) all three are on the
+  host and the optimizer step runs there. DDP: the gradients are views into its all-reduce buckets (the
+  strategy sets ``gradient_as_bucket_view=True``), allocated for the whole run, so they show as **DDP
+  gradient buckets** in every phase; FSDP: the unsharded root parameters (embedding, head, final norm)
+  for the step, two unsharded blocks (current + prefetched), in ``pw``, and in backward one block's
+  unsharded gradients with their reduce-scatter input (``w``: fp32 under the policy) and the root's.
 * **activations kept for backward**, per layer per token: two RMSNorms ``2 * (4 + r) * d`` (fp32 input,
-  normalised copy); the projections' inputs (``d*m`` each; under autocast each of q/k/v and gate/up
-  keeps its own cast copy); attention in head layout after the all-to-all: q, k, v, out
-  ``(2H + 2H_kv') * hd`` and the fp32 log-sum-exp ``4H`` (FPDT: the same per chunk, in host memory with
-  offload; its blocks run in the autocast dtype, the lse too); the o_proj input ``H*hd*m``; the MLP's
-  gate, act, up, act*up ``4*I*m`` (none when FPDT tiles it). With activation checkpointing only each
-  layer's input ``d*r``, and one layer is recomputed in backward; FPDT's offloaded chunks of every layer
-  still stay on the host (its chunk store lives on the autograd node, which checkpointing keeps). With
+  normalised copy; FPDT tiles the norms: ``2 * r * d``, their input only); the projections' inputs (``d*m``
+  each; under autocast each of q/k/v and gate/up keeps its own cast copy); attention in head layout after
+  the all-to-all: q, k, v, out ``(2H + 2H_kv') * hd`` and the fp32 log-sum-exp ``4H`` (FPDT: the same per
+  chunk, in host memory with offload; its blocks run in the autocast dtype, the lse too); the o_proj input
+  ``H*hd*m``; the MLP's gate, act, up, act*up ``4*I*m`` (none when FPDT tiles it). With activation
+  checkpointing only each layer's input ``d*r``, and one layer is recomputed in backward; FPDT's offloaded
+  chunks are saved tensors, so the checkpoint drops them after each layer's forward and the recompute
+  rebuilds them: the host holds the running layer's in forward, the recomputed layer's in backward. With
   ``activation_offload`` those layer inputs are on the host; the device holds the one being recomputed
   and the next one prefetched in backward, and the running one in forward. Plus
   the final norm, the head's input (both freed in the loss backward), the batch and the RoPE tables.
@@ -44,9 +47,15 @@ The peak is the largest of five phases: the last layer's forward and the loss fo
 previous step's gradients still allocated: Lightning frees them between forward and backward), the
 loss backward, the last layer's backward, and the optimizer step. A layer phase is the larger of its
 attention moment and its MLP moment (the layer's MLP tensors do not exist yet, or are freed, while its
-attention runs). Each component is shown with its bytes in the peak phase, so the rows add up to the
-total; ``largest`` is its maximum over the phases (a working set of one moment, such as the attention's,
-at that moment).
+attention runs). Each component is shown with its device bytes in the peak phase, so the rows add up to
+the total; ``largest`` is its maximum at any moment, its host bytes the most it holds on the host in any
+phase.
+
+Fitting: :attr:`MemoryPlan.fits` compares ``device_total`` plus a reserve (``CUDA_CONTEXT_BYTES``, 1 GiB for
+the CUDA context and cuBLAS / NCCL workspaces, plus ``ALLOCATOR_RESERVE``, 5 % of the peak for the caching
+allocator's slack; ``device_reserve=`` to change it) with ``device_memory``, and ``devices_per_host`` ranks'
+host peak plus ``HOST_PROCESS_BYTES`` each (4 GiB: the process, its data loader) with ``host_memory``;
+:attr:`MemoryPlan.binding` names the limit with the least room.
 
 In the code: :func:`plan_memory` resolves its arguments once into a ``_Layout`` (per-rank shapes, dtype
 sizes, mode flags); each memory term is one small function of it returning a ``_Term`` (device bytes,
@@ -54,10 +63,9 @@ host bytes, the table row it adds to, a note); ``_PHASE_TABLE`` says at which mo
 alive, and ``_plan`` sums them and takes the peak. A new memory term is one function plus one line of
 the table.
 
-What it does not model: allocator caching and fragmentation (CUDA's caching allocator reserves more
-than it allocates: keep 5-10% headroom), CUDA context and library workspaces (cuBLAS, NCCL: ~1 GiB),
-mixture-of-experts layers, non-RMSNorm norms and fused qkv projections (counted as Llama's), and
-gradient accumulation (gradients then persist through backward: add ``gradients`` to the peak).
+What it does not model: mixture-of-experts layers, non-RMSNorm norms and fused qkv projections (counted
+as Llama's), LoRA's rank-r activations, and gradient accumulation (gradients then persist through
+backward: add ``gradients`` to the peak).
 """
 
 from __future__ import annotations
@@ -74,6 +82,7 @@ from lightning_longctx.attention.common import kv_repeat_factor
 from lightning_longctx.chunked_loss import default_loss_chunk_size
 from lightning_longctx.config import DEFAULT_FPDT_CHUNK_SIZE, MODES, SUPPORTED_PRECISION, ResolvedConfig
 from lightning_longctx.flops import _NON_GATED_MODEL_TYPES, _dims, _text_config, matmul_params
+from lightning_longctx.fsdp import MIXED_PRECISION_DTYPES
 from lightning_longctx.sharding import chunk_for
 
 __all__ = [
@@ -87,6 +96,17 @@ __all__ = [
 ]
 
 DATA_PARALLEL = ("ddp", "fsdp")
+#: LoRA target meaning every linear layer of the blocks (peft's name; the lm_head is not one of them)
+ALL_LINEAR = "all-linear"
+#: Device memory the plan's tensors cannot use: the CUDA context with cuBLAS / NCCL workspaces, plus the
+#: caching allocator's slack (reserved but not allocated: fragmentation), as a fraction of the peak.
+CUDA_CONTEXT_BYTES = 1 << 30
+ALLOCATOR_RESERVE = 0.05
+#: Host memory per rank outside the plan: the process itself (Python, torch and CUDA libraries, the CUDA
+#: context's host side), its data loader.
+HOST_PROCESS_BYTES = 4 << 30
+#: devices per host when ``devices_per_host`` is not given: the job's world, at most 8 (one GPU node)
+DEFAULT_DEVICES_PER_HOST = 8
 #: optimizer name -> state tensors per parameter (kept in the parameter's dtype by torch.optim)
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 #: FPDT's score tile (``fpdt_attention(block_size=1024)``)
@@ -166,6 +186,7 @@ class _Shape:
     head_params: int  # the lm_head weight (its gradient comes first in backward)
     model_name: str
     softcap: bool  # a final-logit soft-cap (Gemma-2): the chunked loss backward keeps two blocks
+    block_linears: tuple[tuple[str, int, int], ...]  # one block's nn.Linear: (name, in, out), for LoRA
 
 
 def _as_config(config: Any) -> Any:
@@ -186,23 +207,28 @@ def _as_config(config: Any) -> Any:
     return config
 
 
-def _count_params(config: Any) -> tuple[int, int, int, str]:
-    """(all, largest block, outside blocks, class name) from the model built on the meta device."""
+def _count_params(config: Any) -> tuple[int, int, int, str, tuple[tuple[str, int, int], ...]]:
+    """(all, largest block, outside blocks, class name, the largest block's linears) from the model built
+    on the meta device."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     blocks = set(getattr(model, "_no_split_modules", None) or [])
-    block_sizes, in_block = [], set()
+    block_sizes, in_block, linears = [], set(), ()
     for module in model.modules():
         if type(module).__name__ in blocks:
             params = list(module.parameters())
-            block_sizes.append(sum(p.numel() for p in params))
+            size = sum(p.numel() for p in params)
+            if size > max(block_sizes, default=-1):
+                linears = tuple((n.rsplit(".", 1)[-1], m.in_features, m.out_features)
+                                for n, m in module.named_modules() if isinstance(m, torch.nn.Linear))  # fmt: skip
+            block_sizes.append(size)
             in_block.update(id(p) for p in params)
     total = sum(p.numel() for p in model.parameters())
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_block)
-    return total, max(block_sizes, default=0), root, type(model).__name__
+    return total, max(block_sizes, default=0), root, type(model).__name__, linears
 
 
 @functools.lru_cache(maxsize=32)
@@ -219,14 +245,17 @@ def _shape_of(config: Any) -> _Shape:
     gated = getattr(text, "model_type", None) not in _NON_GATED_MODEL_TYPES
     n_matmul = matmul_params(text, gated_mlp=gated)
     try:
-        total, block, root, name = _count_params(config)
+        total, block, root, name, linears = _count_params(config)
     except Exception:  # a model transformers cannot build: count the Llama-style weights
         tied = bool(getattr(text, "tie_word_embeddings", False))
         block = (n_matmul - d * vocab) // layers + 2 * d
         root = d * vocab * (1 if tied else 2) + d
         total, name = layers * block + root, type(config).__name__.replace("Config", "")
+        q, kv = heads * head_dim, kv_heads * head_dim
+        linears = (("q_proj", d, q), ("k_proj", d, kv), ("v_proj", d, kv), ("o_proj", q, d),
+                   *((("gate_proj", d, inter),) if gated else ()), ("up_proj", d, inter), ("down_proj", inter, d))  # fmt: skip
     return _Shape(d, layers, heads, kv_heads, head_dim, inter, vocab, gated, total, block, root, n_matmul,
-                  d * vocab, name, bool(getattr(text, "final_logit_softcapping", None)))  # fmt: skip
+                  d * vocab, name, bool(getattr(text, "final_logit_softcapping", None)), linears)  # fmt: skip
 
 
 def _shape(config: Any) -> _Shape:
@@ -261,9 +290,11 @@ class MemoryComponent:
 class MemoryPlan:
     """Bytes per device and per host of one training step, by component (see the module docstring).
 
-    ``device_total`` / ``host_total``: the per-device / per-host peak (largest phase). ``combined``:
-    the largest ``device + host`` of any phase (what a CPU run, whose device IS the host, peaks at).
-    ``phases``: ``(phase, device bytes, host bytes)`` of every phase modelled.
+    ``device_total``: the device's peak (its largest phase); ``host_total``: one rank's peak in host memory
+    (its largest moment; a host of ``devices_per_host`` ranks needs :attr:`host_needed`). ``combined``: the
+    largest ``device + host`` of any moment (what a CPU run, whose device IS the host, peaks at).
+    ``phases``: ``(phase, device bytes, host bytes)`` of every phase modelled (the device's at the phase's
+    peak moment, the host's largest in the phase).
     """
 
     model: str
@@ -292,7 +323,15 @@ class MemoryPlan:
     host_total: int
     combined: int
     between_steps: int  # allocated between steps: weights, gradients, optimizer state, DDP buckets
+    cpu_offload: bool = False
+    mp_policy: bool = False
+    lora_rank: int | None = None
+    trainable_params: int = 0
+    device_reserve: int = 0  # CUDA context + allocator slack, beside device_total
+    host_reserve: int = 0  # per rank, beside host_total
+    devices_per_host: int = 1
     device_memory: int | None = None
+    host_memory: int | None = None  # per host
 
     def __getitem__(self, name: str) -> MemoryComponent:
         for comp in self.components:
@@ -301,9 +340,36 @@ class MemoryPlan:
         raise KeyError(f"{name!r} is not a component; components: {[c.name for c in self.components]}")
 
     @property
+    def device_needed(self) -> int:
+        """What one device must have: the peak plus the reserve (CUDA context, allocator slack)."""
+        return self.device_total + self.device_reserve
+
+    @property
+    def host_needed(self) -> int:
+        """What one host must have: ``devices_per_host`` ranks' peak host bytes plus each one's process."""
+        return self.devices_per_host * (self.host_total + self.host_reserve)
+
+    def _slack(self) -> dict[str, float]:
+        """Free fraction of each limit given (negative: over)."""
+        out = {}
+        if self.device_memory is not None:
+            out["device"] = 1 - self.device_needed / self.device_memory
+        if self.host_memory is not None:
+            out["host"] = 1 - self.host_needed / self.host_memory
+        return out
+
+    @property
     def fits(self) -> bool | None:
-        """Whether ``device_total`` fits ``device_memory`` (None when no memory size was given)."""
-        return None if self.device_memory is None else self.device_total <= self.device_memory
+        """Whether the device needs fit ``device_memory`` and the host needs ``host_memory`` (those given;
+        None when neither was)."""
+        slack = self._slack()
+        return None if not slack else min(slack.values()) >= 0
+
+    @property
+    def binding(self) -> str | None:
+        """The limit with the least room: ``"device"`` or ``"host"`` (None when no memory size was given)."""
+        slack = self._slack()
+        return min(slack, key=slack.__getitem__) if slack else None
 
     def phase(self, name: str) -> tuple[int, int]:
         """``(device, host)`` bytes of one phase."""
@@ -317,7 +383,8 @@ class MemoryPlan:
         out = dataclasses.asdict(self)
         out["components"] = [dataclasses.asdict(c) for c in self.components]
         out["phases"] = [{"phase": p, "device": d, "host": h} for p, d, h in self.phases]
-        out["fits"] = self.fits
+        out.update(fits=self.fits, binding=self.binding, device_needed=self.device_needed,
+                   host_needed=self.host_needed)  # fmt: skip
         return out
 
     def describe(self) -> str:
@@ -332,6 +399,12 @@ class MemoryPlan:
                 " + offload" if self.offload else ""
             )
         extras = [self.precision, self.data_parallel.upper()]
+        if self.mp_policy:
+            extras.append("MixedPrecisionPolicy (16-bit compute params, fp32 reduce)")
+        if self.cpu_offload:
+            extras.append("cpu_offload")
+        if self.lora_rank:
+            extras.append(f"LoRA r={self.lora_rank} ({_count(self.trainable_params)} trainable)")
         if self.activation_offload:
             extras.append("activation checkpointing + offload")
         elif self.activation_checkpointing:
@@ -359,11 +432,19 @@ class MemoryPlan:
         out = [self.describe(), fmt(heads), line, *map(fmt, rows[:-1]), line, fmt(rows[-1])]
         out.append("phases (device / host): " + ", ".join(
             f"{p} {format_bytes(d)} / {format_bytes(h)}" for p, d, h in self.phases))  # fmt: skip
-        if self.device_memory is not None:
-            verdict = "fits" if self.fits else "does NOT fit"
-            gap = abs(self.device_memory - self.device_total)
-            out.append(f"device memory {format_bytes(self.device_memory)}: {verdict} "
-                       f"({format_bytes(gap)} {'free' if self.fits else 'over'})")  # fmt: skip
+        out.append(f"reserve: {format_bytes(self.device_reserve)} per device (CUDA context, allocator slack), "
+                   f"{format_bytes(self.host_reserve)} per rank on its host (the process)")  # fmt: skip
+        for name, memory, needed, per in (
+            ("device", self.device_memory, self.device_needed, "per device"),
+            ("host", self.host_memory, self.host_needed, f"per host of {self.devices_per_host} devices"),
+        ):
+            if memory is not None:
+                ok = needed <= memory
+                out.append(f"{name} memory {format_bytes(memory)} {per}: needs {format_bytes(needed)}, "
+                           f"{'fits' if ok else 'does NOT fit'} ({format_bytes(abs(memory - needed))} "
+                           f"{'free' if ok else 'over'})")  # fmt: skip
+        if self.binding is not None:
+            out.append(f"binding limit: {self.binding} memory")
         return "\n".join(out)
 
 
@@ -376,8 +457,11 @@ def _dtype_bytes(name: Any) -> int:
     return _DTYPE_BYTES[key]
 
 
-def _dtypes(precision: str, param_dtype: Any) -> tuple[int, int, int, bool]:
-    """(w parameter bytes, m matmul bytes, r residual bytes, autocast on) of a Lightning precision."""
+def _dtypes(precision: str, param_dtype: Any, data_parallel: str) -> tuple[int, int, int, int, bool, bool]:
+    """(w master parameter bytes, pw compute parameter bytes, m matmul bytes, r residual bytes, autocast on,
+    MixedPrecisionPolicy on) of a Lightning precision. FSDP with a mixed precision over fp32 weights uses
+    FSDP2's MixedPrecisionPolicy (the strategy's rule: ``fsdp.MIXED_PRECISION_DTYPES``): the blocks compute
+    with 16-bit parameters, the residual stream is 16-bit."""
     p = str(precision)
     p = {"32": "32-true", "64": "64-true", "bf16": "bf16-mixed", "16": "16-mixed"}.get(p, p)
     if p not in SUPPORTED_PRECISION:
@@ -385,11 +469,13 @@ def _dtypes(precision: str, param_dtype: Any) -> tuple[int, int, int, bool]:
     w = None if param_dtype is None else _dtype_bytes(param_dtype)
     if p.endswith("-mixed"):  # fp32 weights unless the model was built in another dtype; autocast matmuls
         w = w or 4
-        return w, 2, w, True
+        if data_parallel == "fsdp" and p in MIXED_PRECISION_DTYPES:
+            return w, 2, 2, 2, True, True
+        return w, w, 2, w, True, False
     if p in ("bf16-true", "16-true"):  # Lightning converts the module to the half dtype
-        return 2, 2, 2, False
+        return 2, 2, 2, 2, False, False
     w = w or (8 if p == "64-true" else 4)
-    return w, w, w, False
+    return w, w, w, w, False, False
 
 
 def _check_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -428,14 +514,29 @@ class _Layout:
     optimizer: str  # lower case
     states: int  # optimizer state tensors per parameter
     precision: str
-    w: int  # parameter bytes
+    w: int  # parameter bytes (the master weights: what is sharded, stepped and offloaded)
+    pw: int  # bytes of the parameters the compute reads: the MixedPrecisionPolicy's param_dtype, else w
     m: int  # matmul (autocast) bytes
     r: int  # residual stream bytes (the embedding's dtype)
     autocast: bool
+    mp_policy: bool  # FSDP2's MixedPrecisionPolicy: bf16 compute params over fp32 master weights
+    cpu_offload: bool  # FSDP2's CPUOffloadPolicy: weights, gradients, optimizer state on the host
+    lora: int  # LoRA adapter parameters of all blocks (0: every parameter trains)
+    lora_block: int  # one block's adapter parameters
     kv_heads: int  # kv heads after the replication for the all-to-all (spread_kv_heads)
     heads_per_rank: int  # query heads per rank after the all-to-all (the largest rank's, uneven splits)
     kv_per_rank: int  # kv heads per rank after the all-to-all
+    lora_rank: int | None
     device_memory: int | None
+    host_memory: int | None  # per host
+    devices_per_host: int
+    fixed_device_reserve: int | None  # bytes given; None: CUDA context + allocator slack
+    host_reserve: int  # per rank
+
+    def device_reserve(self, peak: int) -> int:
+        if self.fixed_device_reserve is not None:
+            return self.fixed_device_reserve
+        return CUDA_CONTEXT_BYTES + int(ALLOCATOR_RESERVE * peak)
 
     @property
     def fpdt(self) -> bool:
@@ -443,8 +544,9 @@ class _Layout:
 
     @property
     def casting(self) -> bool:
-        """Autocast makes (and linear saves) low-precision copies of the weights and inputs."""
-        return self.autocast and self.w != self.m
+        """Autocast makes (and linear saves) low-precision copies of the weights and inputs (not of the
+        MixedPrecisionPolicy's bf16 parameters: they are in the matmul dtype already)."""
+        return self.autocast and self.pw != self.m
 
     @property
     def shard(self) -> int:
@@ -452,9 +554,23 @@ class _Layout:
         return self.dp * self.sp if self.data_parallel == "fsdp" else 1
 
     @property
+    def trainable(self) -> int:
+        """Parameters with a gradient and optimizer state: the LoRA adapters, or all of them."""
+        return self.lora or self.shape.params
+
+    @property
     def weight_bytes(self) -> int:
-        """One rank's parameters (= its gradients, = one optimizer state)."""
-        return -(-self.shape.params // self.shard) * self.w
+        """One rank's parameters, the LoRA adapters included."""
+        return -(-(self.shape.params + self.lora) // self.shard) * self.w
+
+    @property
+    def grad_bytes(self) -> int:
+        """One rank's gradients (= one optimizer state): of the trainable parameters only."""
+        return -(-self.trainable // self.shard) * self.w
+
+    def placed(self, row: str, nbytes: int, note: str = "") -> _Term:
+        """A model-state term: on the device, or on the host with ``cpu_offload``."""
+        return _Term(row, 0, nbytes, note) if self.cpu_offload else _Term(row, nbytes, 0, note)
 
     @property
     def mlp_weights(self) -> int:
@@ -523,61 +639,71 @@ class _Term:
 
 
 def _weights(lay: _Layout) -> _Term:
-    note = f"{lay.shape.params:,} params x {lay.w} B" + (f" / {lay.shard} (FSDP)" if lay.shard > 1 else "")
-    return _Term("weights", lay.weight_bytes, note=note)
+    n = lay.shape.params + lay.lora
+    note = f"{n:,} params x {lay.w} B" + (f" / {lay.shard} (FSDP)" if lay.shard > 1 else "")
+    note += f", {lay.lora:,} of them LoRA's" if lay.lora else ""
+    return lay.placed("weights", lay.weight_bytes, note + (" (cpu_offload)" if lay.cpu_offload else ""))
 
 
 def _sharded_gradients(lay: _Layout) -> _Term:
-    """FSDP's sharded gradients. DDP's gradients are views into its buckets (``gradient_as_bucket_view``)."""
+    """FSDP's sharded gradients (in the master weights' dtype: the MixedPrecisionPolicy reduces in fp32).
+    DDP's gradients are views into its buckets (``gradient_as_bucket_view``)."""
     if lay.data_parallel == "ddp":
         return _Term("gradients", 0)
     note = "FSDP's sharded gradients, freed between forward and backward (Lightning's zero_grad)"
-    return _Term("gradients", lay.weight_bytes, note=note)
+    return lay.placed("gradients", lay.grad_bytes, note)
 
 
 def _optimizer_state(lay: _Layout) -> _Term:
     """torch.optim keeps its states in the parameter dtype (Lightning's bf16-mixed: fp32 weights, no master
-    copy)."""
-    note = f"{lay.optimizer}: {lay.states} x params x {lay.w} B" + (
+    copy), for the trainable parameters only (LoRA: the adapters)."""
+    note = f"{lay.optimizer}: {lay.states} x trainable params x {lay.w} B" + (
         " + foreach temporary" if lay.states else ""
     )
-    return _Term("optimizer state", lay.states * lay.weight_bytes, note=note)
+    return lay.placed("optimizer state", lay.states * lay.grad_bytes, note)
 
 
 def _optimizer_step_temporary(lay: _Layout) -> _Term:
-    """foreach AdamW: one temporary per state (sqrt of exp_avg_sq) during the step (noted with the state)."""
-    return _Term("optimizer state", lay.states * lay.weight_bytes // 2 if lay.states else 0)
+    """foreach AdamW: one temporary per state (sqrt of exp_avg_sq) during the step (noted with the state); on
+    the host with ``cpu_offload``, where the step runs."""
+    return lay.placed("optimizer state", lay.states * lay.grad_bytes // 2 if lay.states else 0)
 
 
 def _ddp_gradient_buckets(lay: _Layout) -> _Term:
-    """DDP's all-reduce buckets, allocated for the whole run (the strategy wraps in DDP even on one rank)."""
+    """DDP's all-reduce buckets of the trainable parameters, allocated for the whole run (the strategy wraps
+    in DDP even on one rank)."""
     if lay.data_parallel != "ddp":
         return _Term("DDP gradient buckets", 0)
     note = "the gradients, as views into DDP's buckets (gradient_as_bucket_view=True)"
-    return _Term("DDP gradient buckets", lay.shape.params * lay.w, note=note)
+    return _Term("DDP gradient buckets", lay.trainable * lay.w, note=note)
 
 
 def _fsdp_root_params(lay: _Layout) -> _Term:
-    """FSDP's root (embedding, head, final norm) stays unsharded for the step (``reshard_after_forward=False``)."""
+    """FSDP's root (embedding, head, final norm) stays unsharded for the step (``reshard_after_forward=False``),
+    in the compute dtype (the MixedPrecisionPolicy all-gathers bf16)."""
     if lay.data_parallel != "fsdp":
         return _Term("FSDP unsharded params/grads", 0)
-    return _Term("FSDP unsharded params/grads", lay.shape.root_params * lay.w, note="root params")
+    return _Term("FSDP unsharded params/grads", lay.shape.root_params * lay.pw, note="root params")
 
 
 def _fsdp_blocks_in_flight(lay: _Layout) -> _Term:
     """Two unsharded transformer blocks: the one running and the one prefetched."""
     if lay.data_parallel != "fsdp":
         return _Term("FSDP unsharded params/grads", 0)
-    return _Term("FSDP unsharded params/grads", 2 * lay.shape.block_params * lay.w, note="2 blocks in flight")
+    block = lay.shape.block_params + lay.lora_block
+    return _Term("FSDP unsharded params/grads", 2 * block * lay.pw, note="2 blocks in flight")
 
 
 def _fsdp_block_gradients(lay: _Layout) -> _Term:
-    """One block's and the root's unsharded gradients, before their reduce-scatter."""
+    """One block's unsharded gradients and their reduce-scatter input (a flat copy, in fp32 under the
+    MixedPrecisionPolicy), and the root's unsharded gradients (trainable parameters only)."""
     if lay.data_parallel != "fsdp":
         return _Term("FSDP unsharded params/grads", 0)
     s = lay.shape
-    return _Term("FSDP unsharded params/grads", (s.block_params + s.root_params) * lay.w,
-                 note="block + root grads in backward")  # fmt: skip
+    block, root = (lay.lora_block, 0) if lay.lora else (s.block_params, s.root_params)
+    reduce_bytes = 4 if lay.mp_policy else lay.w  # the policy's reduce_dtype: fp32
+    nbytes = block * (lay.pw + reduce_bytes) + root * lay.pw
+    return _Term("FSDP unsharded params/grads", nbytes, note="block + root grads in backward")
 
 
 def _autocast_weight_copies(lay: _Layout) -> _Term:
@@ -601,12 +727,17 @@ def _attention_store_bytes(lay: _Layout) -> int:
     return 2 * lay.q_elems * lay.qa + lay.kv_elems * (lay.qa + lay.m) + lay.bn * lay.heads_per_rank * lse
 
 
+def _norm_bytes(lay: _Layout) -> int:
+    """What one RMSNorm keeps for backward: Hugging Face's keeps its fp32 input and the normalised copy;
+    FPDT tiles it (``enable_sequence_parallel``): only its input, in the residual dtype."""
+    return (lay.r if lay.fpdt else 4 + lay.r) * lay.shape.d * lay.t
+
+
 def _layer_attention_bytes(lay: _Layout) -> int:
-    """One layer's saved tensors up to its MLP: the first RMSNorm's fp32 input and normalised copy, the
-    q/k/v projections' inputs (autocast casts the normed input once per projection), the attention store and
-    the o_proj input."""
+    """One layer's saved tensors up to its MLP: the first RMSNorm's, the q/k/v projections' inputs (autocast
+    casts the normed input once per projection), the attention store and the o_proj input."""
     s, t = lay.shape, lay.t
-    norm = (4 + lay.r) * s.d * t
+    norm = _norm_bytes(lay)
     qkv_in = (3 if lay.casting else 1) * s.d * lay.m * t
     return norm + qkv_in + _attention_store_bytes(lay) + s.heads * s.head_dim * lay.m * t
 
@@ -615,7 +746,7 @@ def _layer_mlp_bytes(lay: _Layout) -> int:
     """One layer's saved tensors from its second RMSNorm on: the norm, the MLP's input(s) and its gate, act,
     up, act*up (FPDT's tiled MLP keeps only its input and recomputes the rest)."""
     s, t = lay.shape, lay.t
-    norm = (4 + lay.r) * s.d * t
+    norm = _norm_bytes(lay)
     if lay.fpdt:
         return norm + s.d * lay.r * t
     copies = (2 if s.gated else 1) if lay.casting else 1
@@ -636,11 +767,23 @@ def _saved_activations(lay: _Layout) -> _Term:
     return _Term(_ACTS, (lay.shape.layers - 1) * _layer_device_bytes(lay), note=note)
 
 
+def _o_proj_input_bytes(lay: _Layout) -> int:
+    """The o_proj's saved input (the attention output in sequence layout): freed by the o_proj's backward,
+    before the attention's backward runs."""
+    return lay.shape.heads * lay.shape.head_dim * lay.m * lay.t
+
+
 def _last_layer_attention_activations(lay: _Layout) -> _Term:
-    """Without checkpointing: the last layer's saved tensors up to its MLP (on the device)."""
+    """Without checkpointing: the last layer's saved tensors up to its MLP (on the device), but its o_proj
+    input (:func:`_last_layer_o_proj_input`)."""
     if lay.checkpointing:
         return _Term(_ACTS, 0)
-    return _Term(_ACTS, _layer_device_bytes(lay) - _layer_mlp_bytes(lay))
+    return _Term(_ACTS, _layer_device_bytes(lay) - _layer_mlp_bytes(lay) - _o_proj_input_bytes(lay))
+
+
+def _last_layer_o_proj_input(lay: _Layout) -> _Term:
+    """Without checkpointing: the last layer's o_proj input, alive until the layer's attention backward."""
+    return _Term(_ACTS, 0 if lay.checkpointing else _o_proj_input_bytes(lay))
 
 
 def _last_layer_mlp_activations(lay: _Layout) -> _Term:
@@ -668,7 +811,7 @@ def _final_norm_and_head_input(lay: _Layout) -> _Term:
     Hugging Face: lm_head's matmul-dtype input); freed in the loss backward."""
     s, t = lay.shape, lay.t
     head_in = s.d * lay.r * t + 4 * t if lay.fpdt else s.d * lay.m * t
-    return _Term(_ACTS, (4 + lay.r) * s.d * t + head_in)
+    return _Term(_ACTS, _norm_bytes(lay) + head_in)
 
 
 def _running_layer_input(lay: _Layout) -> _Term:
@@ -685,11 +828,19 @@ def _prefetched_layer_inputs(lay: _Layout) -> _Term:
 
 
 def _fpdt_chunk_store(lay: _Layout) -> _Term:
-    """FPDT offload: every layer's attention chunks in host memory, with checkpointing too (the chunk store
-    lives on the autograd node, which checkpointing keeps)."""
-    if not lay.offload:
+    """FPDT offload without checkpointing: every layer's attention chunks in host memory (saved tensors of
+    its autograd node). With checkpointing the checkpoint drops them after each layer's forward: see
+    :func:`_running_layer_chunk_store` and the recomputed layer's."""
+    if not lay.offload or lay.checkpointing:
         return _Term(_ACTS, 0)
     return _Term(_ACTS, 0, lay.shape.layers * _attention_store_bytes(lay), note="host: FPDT chunks (offload)")
+
+
+def _running_layer_chunk_store(lay: _Layout) -> _Term:
+    """FPDT offload with checkpointing: the running layer's chunks, on the host until its forward ends."""
+    if not (lay.offload and lay.checkpointing):
+        return _Term(_ACTS, 0)
+    return _Term(_ACTS, 0, _attention_store_bytes(lay), note="host: one layer's FPDT chunks (offload)")
 
 
 def _activation_offload_store(lay: _Layout) -> _Term:
@@ -745,8 +896,9 @@ def _fpdt_score_tile_bytes(lay: _Layout) -> int:
 
 
 def _residual_gradient_bytes(lay: _Layout) -> int:
-    """The residual stream's gradient in backward (a norm's backward runs in fp32)."""
-    return lay.shape.d * max(lay.r, 4) * lay.t
+    """The residual stream's gradient in backward (Hugging Face's norm backward runs in fp32; FPDT's tiled
+    norm in fp32 per chunk only)."""
+    return lay.shape.d * (lay.r if lay.fpdt else max(lay.r, 4)) * lay.t
 
 
 def _attention_forward(lay: _Layout) -> _Term:
@@ -827,13 +979,19 @@ def _mlp_backward(lay: _Layout) -> _Term:
 
 def _recomputed_layer_attention(lay: _Layout) -> _Term:
     """Checkpointing: the recomputed layer's saved tensors up to its MLP (its FPDT chunks on the host with
-    offload). Its first norm saves the checkpointed input itself when that is fp32 already."""
+    offload). Its first norm saves the checkpointed input itself: FPDT's tiled norm always, Hugging Face's
+    when that input is fp32 already."""
     if not lay.checkpointing:
         return _Term(_RECOMPUTE, 0)
-    shared = lay.shape.d * 4 * lay.t if lay.r == 4 else 0
-    device = _layer_device_bytes(lay) - _layer_mlp_bytes(lay) - shared
+    shared = lay.shape.d * lay.r * lay.t if (lay.fpdt or lay.r == 4) else 0
+    device = _layer_device_bytes(lay) - _layer_mlp_bytes(lay) - shared - _o_proj_input_bytes(lay)
     host = _attention_store_bytes(lay) if lay.offload else 0
     return _Term(_RECOMPUTE, device, host, note="one layer recomputed in backward")
+
+
+def _recomputed_o_proj_input(lay: _Layout) -> _Term:
+    """Checkpointing: the recomputed layer's o_proj input, freed before its attention runs backward."""
+    return _Term(_RECOMPUTE, _o_proj_input_bytes(lay) if lay.checkpointing else 0)
 
 
 def _recomputed_layer_mlp(lay: _Layout) -> _Term:
@@ -872,6 +1030,7 @@ _PHASE_TABLE: tuple[tuple[Callable[[_Layout], _Term], str], ...] = (
     (_autocast_weight_copies,            "x     x     x      x      x     x     -"),
     (_saved_activations,                 "x     x     x      x      x     x     -"),
     (_last_layer_attention_activations,  "x     x     x      x      x     x     -"),
+    (_last_layer_o_proj_input,           "x     x     x      x      -     x     -"),
     (_last_layer_mlp_activations,        "-     x     x      x      -     x     -"),
     (_checkpointed_inputs,               "x     x     x      x      x     x     -"),
     (_model_inputs,                      "x     x     x      x      x     x     -"),
@@ -879,6 +1038,7 @@ _PHASE_TABLE: tuple[tuple[Callable[[_Layout], _Term], str], ...] = (
     (_running_layer_input,               "x     x     -      -      -     -     -"),
     (_prefetched_layer_inputs,           "-     -     -      -      x     x     -"),
     (_fpdt_chunk_store,                  "x     x     x      x      x     x     -"),
+    (_running_layer_chunk_store,         "x     -     -      -      -     -     -"),
     (_activation_offload_store,          "x     x     x      x      x     x     -"),
     (_loss_forward,                      "-     -     x      -      -     -     -"),
     (_loss_backward,                     "-     -     -      x      -     -     -"),
@@ -888,6 +1048,7 @@ _PHASE_TABLE: tuple[tuple[Callable[[_Layout], _Term], str], ...] = (
     (_mlp_forward,                       "-     x     -      -      -     -     -"),
     (_mlp_backward,                      "-     -     -      -      -     x     -"),
     (_recomputed_layer_attention,        "-     -     -      -      x     x     -"),
+    (_recomputed_o_proj_input,           "-     -     -      -      -     x     -"),
     (_recomputed_layer_mlp,              "-     -     -      -      -     x     -"),
 )
 # fmt: on
@@ -939,17 +1100,15 @@ def _plan(lay: _Layout) -> MemoryPlan:
     peak = max(at, key=lambda phase: at[phase].total)
 
     def largest(row: str) -> int:
-        """The row's bytes at each phase's peak moment; a working set of one moment only (the attention's,
-        the MLP's) at that moment."""
-        return max(at[p].device[row] if row in at[p].device else max(mo.device.get(row, 0) for mo in group)
-                   for p, group in phases.items())  # fmt: skip
+        """The most the row holds on the device at any moment of any phase."""
+        return max(mo.device.get(row, 0) for mo in moments)
 
     components = []
     for row in _ORDER:
         top = largest(row)
-        # the host column is the peak phase's, but the activations' host stores are shown whatever the
-        # peak (also the optimizer step, which runs after the backward freed them)
-        hosts = [mo.host.get(row, 0) for mo in at.values()] if row == _ACTS else [at[peak].host.get(row, 0)]
+        # the host column is the most the row holds on the host in any phase, whatever the device's peak (the
+        # activations' stores are freed by the optimizer step, which is when offloaded model state peaks)
+        hosts = [mo.host.get(row, 0) for mo in moments]
         if top == 0 and max(hosts) == 0:
             continue
         note = "; ".join(term.note for term, _ in terms if term.row == row and term.note)
@@ -977,13 +1136,21 @@ def _plan(lay: _Layout) -> MemoryPlan:
         param_bytes=lay.w,
         optimizer=lay.optimizer,
         components=tuple(components),
-        phases=tuple((phase, mo.total, mo.host_total) for phase, mo in at.items()),
+        phases=tuple((p, mo.total, max(m.host_total for m in phases[p])) for p, mo in at.items()),
         peak_phase=peak,
         device_total=at[peak].total,
-        host_total=max(mo.host_total for mo in at.values()),
-        combined=max(mo.total + mo.host_total for mo in at.values()),
-        between_steps=sum(term(lay).device for term in _BETWEEN_STEPS),
+        host_total=max(mo.host_total for mo in moments),  # the host's peak: any moment, not the device's
+        combined=max(mo.total + mo.host_total for mo in moments),
+        between_steps=sum(term(lay).device + term(lay).host for term in _BETWEEN_STEPS),
+        cpu_offload=lay.cpu_offload,
+        mp_policy=lay.mp_policy,
+        lora_rank=lay.lora_rank,
+        trainable_params=lay.trainable,
+        device_reserve=lay.device_reserve(at[peak].total),
+        host_reserve=lay.host_reserve,
+        devices_per_host=lay.devices_per_host,
         device_memory=lay.device_memory,
+        host_memory=lay.host_memory,
     )
 
 
@@ -1005,7 +1172,14 @@ def plan_memory(
     optimizer: str = "adamw",
     loss_chunk_size: int | None = None,
     mlp_chunk_size: int | None = None,
+    cpu_offload: bool = False,
+    lora_rank: int | None = None,
+    lora_targets: str | tuple[str, ...] | list[str] = ALL_LINEAR,
     device_memory: int | str | None = None,
+    host_memory: int | str | None = None,
+    devices_per_host: int | None = None,
+    device_reserve: int | str | None = None,
+    host_reserve: int | str | None = None,
 ) -> MemoryPlan:
     """Plan the memory of one training step per device and per host (no GPU, no weights needed).
 
@@ -1028,7 +1202,19 @@ def plan_memory(
         optimizer: ``"adamw"`` / ``"adam"`` (2 states per parameter) or ``"sgd"`` (none).
         loss_chunk_size / mlp_chunk_size: FPDT's chunk of the lm_head + loss / the tiled MLP (defaults
             as the strategy's: 128 MiB fp32 logits blocks / the FPDT chunk size).
+        cpu_offload: FSDP2's ``CPUOffloadPolicy`` (the strategy's ``cpu_offload``, needs ``data_parallel="fsdp"``):
+            weights, gradients and optimizer state on the host, the optimizer step there.
+        lora_rank / lora_targets: LoRA adapters of rank r on the blocks' linear layers (``"all-linear"``, or
+            their names, e.g. ``("q_proj", "v_proj")``): the base weights are frozen, so only the adapters
+            carry gradients and optimizer state (their rank-r activations, r/hidden of a projection's input,
+            are not counted).
         device_memory: bytes (or ``"80GiB"``) per device, to say whether the plan fits.
+        host_memory: bytes per host (a node: ``"1.9TB"``), for ``devices_per_host`` devices (default: the
+            job's devices, at most 8).
+        device_reserve: device bytes outside the plan's tensors; default ``CUDA_CONTEXT_BYTES`` (1 GiB: the
+            CUDA context, cuBLAS / NCCL workspaces) + ``ALLOCATOR_RESERVE`` (5 %) of the peak (the caching
+            allocator's slack). host_reserve: host bytes per rank outside the plan (the process, its data
+            loader); default ``HOST_PROCESS_BYTES`` (4 GiB). ``fits`` adds both.
 
     Returns a :class:`MemoryPlan`; ``plan.table()`` prints it.
     """
@@ -1051,8 +1237,17 @@ def plan_memory(
                         ("mlp_chunk_size", mlp_chunk_size)):  # fmt: skip
         if value is not None:
             _check_int(name, value)
-    w, m, r, autocast = _dtypes(precision, param_dtype)
+    if cpu_offload and data_parallel != "fsdp":
+        raise ValueError(
+            f"cpu_offload=True with data_parallel={data_parallel!r}: state offload is FSDP2's CPUOffloadPolicy; "
+            "set data_parallel='fsdp'"
+        )
+    w, pw, m, r, autocast, mp = _dtypes(precision, param_dtype, data_parallel)
     memory = None if device_memory is None else parse_bytes(device_memory)
+    host = None if host_memory is None else parse_bytes(host_memory)
+    per_host = min(P * dp, DEFAULT_DEVICES_PER_HOST) if devices_per_host is None else devices_per_host
+    _check_int("devices_per_host", per_host)
+    lora, lora_block = _lora_params(shape, lora_rank, lora_targets)
 
     chunk = loss_chunk = mlp_chunk = None
     if mode == "fpdt":
@@ -1067,10 +1262,30 @@ def plan_memory(
         mode=mode, chunk=chunk, loss_chunk=loss_chunk, mlp_chunk=mlp_chunk, offload=bool(offload),
         checkpointing=bool(activation_checkpointing or activation_offload),  # offload implies it
         activation_offload=bool(activation_offload), data_parallel=data_parallel, optimizer=optimizer.lower(),
-        states=OPTIMIZER_STATES[optimizer.lower()], precision=str(precision), w=w, m=m, r=r, autocast=autocast,
-        kv_heads=kv, heads_per_rank=-(-shape.heads // P), kv_per_rank=-(-kv // P), device_memory=memory,
+        states=OPTIMIZER_STATES[optimizer.lower()], precision=str(precision), w=w, pw=pw, m=m, r=r,
+        autocast=autocast, mp_policy=mp, cpu_offload=bool(cpu_offload), lora=lora, lora_block=lora_block,
+        kv_heads=kv, heads_per_rank=-(-shape.heads // P), kv_per_rank=-(-kv // P), lora_rank=lora_rank,
+        device_memory=memory, host_memory=host, devices_per_host=per_host,
+        fixed_device_reserve=None if device_reserve is None else parse_bytes(device_reserve),
+        host_reserve=HOST_PROCESS_BYTES if host_reserve is None else parse_bytes(host_reserve),
     )  # fmt: skip
     return _plan(lay)
+
+
+def _lora_params(shape: _Shape, rank: int | None, targets: Any) -> tuple[int, int]:
+    """(all blocks', one block's) LoRA adapter parameters: ``rank * (in + out)`` per targeted linear."""
+    if rank is None:
+        return 0, 0
+    _check_int("lora_rank", rank)
+    names = {name for name, _, _ in shape.block_linears}
+    wanted = names if targets == ALL_LINEAR else set([targets] if isinstance(targets, str) else targets)
+    if not wanted or wanted - names:
+        raise ValueError(
+            f"lora_targets={targets!r}: {sorted(wanted - names) or 'nothing'} is not a linear layer of "
+            f"{shape.model_name}'s blocks; use {ALL_LINEAR!r} or some of {sorted(names)}"
+        )
+    block = sum(rank * (i + o) for name, i, o in shape.block_linears if name in wanted)
+    return shape.layers * block, block
 
 
 def parallel_kwargs(parallel: ResolvedConfig) -> dict[str, Any]:
@@ -1089,13 +1304,16 @@ def parallel_kwargs(parallel: ResolvedConfig) -> dict[str, Any]:
         "data_parallel": given.data_parallel,
         "loss_chunk_size": given.loss_chunk_size,
         "mlp_chunk_size": given.mlp_chunk_size,
+        "cpu_offload": given.cpu_offload,
+        "devices_per_host": parallel.layout.devices_per_node or None,
     }
 
 
 def longest_sequence(
     config: Any, *, device_memory: int | str, sequence_parallel_size: int, **kwargs: Any
 ) -> int:
-    """The largest ``seq_len`` whose per-device peak (:func:`plan_memory`) fits ``device_memory``.
+    """The largest ``seq_len`` whose plan (:func:`plan_memory`) fits ``device_memory`` per device, with its
+    reserve, and ``host_memory`` per host when given (both are :attr:`MemoryPlan.fits`).
 
     Searched over multiples of ``P * fpdt_chunk_size`` (FPDT) or of ``P * 1024`` (Ulysses); the other
     keyword arguments are :func:`plan_memory`'s. Returns 0 when not even one multiple fits.
@@ -1108,8 +1326,8 @@ def longest_sequence(
     step = P * (chunk if kwargs.get("mode", "ulysses") == "fpdt" else 1024)
 
     def fits(k: int) -> bool:
-        plan = plan_memory(config, seq_len=k * step, sequence_parallel_size=P, **kwargs)
-        return plan.device_total <= memory
+        plan = plan_memory(config, seq_len=k * step, sequence_parallel_size=P, device_memory=memory, **kwargs)
+        return bool(plan.fits)
 
     if not fits(1):
         return 0

@@ -138,3 +138,24 @@ def test_fuzz_smoke(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["trials"] == 6 and sum(r["trials"] for r in data["summary"]) == 6
     assert data["failing"] == [] and sum(r["failing"] for r in data["summary"]) == 0
+
+
+def test_bench_planner_smoke(tmp_path: Path) -> None:
+    """Plan vs measured RSS, with DDP and with FSDP2 + state offload + the MixedPrecisionPolicy."""
+    out = tmp_path / "planner.json"
+    proc = _run_script(["benchmarks/bench_planner.py", "--smoke", "--out", str(out)], timeout=240)
+    assert "3 of 3 rows within 15%" in proc.stdout
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert len(rows) == 3 and all(r["status"] == "ok" for r in rows)
+    offloaded = [r for r in rows if r["coff"]]
+    assert offloaded and offloaded[0]["plan"]["cpu_offload"] and offloaded[0]["plan"]["mp_policy"]
+
+
+def test_bench_frontier(tmp_path: Path) -> None:
+    out = tmp_path / "frontier.json"
+    proc = _run_script(["benchmarks/bench_frontier.py", "--out", str(out)], timeout=120)
+    assert "ALST: 500K on 1 x H100 80GB" in proc.stdout and "llama3_8b_500k_1gpu.yaml" in proc.stdout
+    data = json.loads(out.read_text())
+    assert [r["fits"] for r in data["rows"]] == ["yes", "yes", "NO", "yes", "yes", "yes"]
+    assert all(r["fits"] == "yes" for r in data["configs"])

@@ -231,3 +231,29 @@ def test_bad_inputs_raise_clear_errors():
         fpdt_attention(x, x, x, chunk_size=0)
     with pytest.raises(ValueError, match="block_size must be a positive"):
         fpdt_attention(x, x, x, chunk_size=4, block_size=0)
+
+
+def _backward_twice(name: str) -> bool:
+    """The offloaded chunks are saved tensors: ``retain_graph=True`` keeps them for a second backward, which
+    then adds the same gradients again (as without offload), and both free the host buffers at the end."""
+    cfg = CASES[name]
+    q, k, v, w, _ = _inputs(cfg, torch.float32)
+    c = N // (cfg["u"] * dist.get_world_size())
+    grads = {}
+    for offload in (False, True):
+        loc = [shard_sequence(x, chunk_size=c).requires_grad_() for x in (q, k, v)]
+        out = fpdt_attention(*loc, chunk_size=c, offload=offload)
+        loss = (out * shard_sequence(w, chunk_size=c)).sum()
+        loss.backward(retain_graph=True)
+        once = [t.grad.clone() for t in loc]
+        loss.backward()
+        assert all(torch.allclose(t.grad, 2 * g, rtol=1e-6, atol=1e-7) for t, g in zip(loc, once))
+        grads[offload] = [t.grad for t in loc]
+        del out, loss
+    gc.collect()
+    return offloaded_bytes() == 0 and all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_offload_backward_twice_with_retain_graph(dist_pool, world):
+    assert all(dist_pool(world).run(_backward_twice, "causal_u8"))

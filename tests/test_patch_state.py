@@ -33,6 +33,10 @@ def test_disable_restores_the_plain_model_and_unregisters_its_key(mode, chunk):
     patched = model(**shard_batch(_batch(), chunk_size=chunk))  # one process: the shard is the batch
     torch.testing.assert_close(patched.loss, plain.loss, rtol=1e-6, atol=1e-6)
     assert any(is_tiled(m) for m in model.modules()) == (mode == "fpdt")
+    if mode == "fpdt":  # the MLPs and every norm (each layer's two and the final one)
+        tiled = [type(m).__name__ for m in model.modules() if is_tiled(m)]
+        layers = model.config.num_hidden_layers
+        assert sorted(tiled) == sorted(["LlamaMLP"] * layers + ["LlamaRMSNorm"] * (2 * layers + 1))
 
     assert disable_sequence_parallel(model) is model
     assert context_of(model) is None and ctx.key not in AttentionInterface().keys()

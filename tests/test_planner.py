@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,9 @@ def test_activations_match_what_autograd_saves(mode, precision):
     saved = _saved_bytes(model, batch, autocast=precision == "bf16-mixed")
     plan = plan_memory(TINY, seq_len=256, sequence_parallel_size=1, mode=mode, fpdt_chunk_size=chunk,
                        precision=precision)  # fmt: skip
-    planned = plan["activations kept for backward"].largest
+    # the batch's position_ids and shift_labels are alive (planned) but not saved: autograd saves input_ids
+    # (the embedding's indices) and the labels (the loss's targets)
+    planned = plan["activations kept for backward"].largest - 2 * 8 * 256
     if precision == "bf16-mixed":
         planned += plan["autocast weight copies"].largest
     if mode == "ulysses":  # Hugging Face's loss saves its fp32 log-softmax (the loss working set) and targets
@@ -102,27 +105,43 @@ OFFLOAD_CASES = {  # mode, FPDT offload, activation checkpointing, activation of
 
 
 @pytest.mark.parametrize("case", list(OFFLOAD_CASES))
-def test_offloaded_bytes_are_the_planned_host_activations(case):
-    """What the host holds after the forward: FPDT's offloaded chunks of every layer, with checkpointing too
-    (the chunk store lives on the autograd node, which checkpointing keeps), and with activation offload
-    every layer's checkpointed input."""
-    from lightning_longctx.attention.offload import offloaded_bytes
+def test_offloaded_bytes_are_the_planned_host_activations(case, monkeypatch):
+    """What the host holds, at its peak in the forward and after it: FPDT's offloaded chunks of every layer
+    without checkpointing; with checkpointing one layer's (the checkpoint drops them after each layer's
+    forward, its recompute rebuilds them); with activation offload every layer's checkpointed input."""
+    from lightning_longctx.attention import offload
     from lightning_longctx.integrations.transformers import enable_activation_checkpointing
 
-    mode, offload, checkpointing, activation_offload = OFFLOAD_CASES[case]
+    peak = [0]
+    put = offload.ChunkStore.put
+
+    def counting_put(self: Any, key: Any, x: torch.Tensor) -> None:
+        put(self, key, x)
+        peak[0] = max(peak[0], offload.offloaded_bytes())
+
+    monkeypatch.setattr(offload.ChunkStore, "put", counting_put)
+    mode, fpdt_offload, checkpointing, activation_offload = OFFLOAD_CASES[case]
     chunk = 64 if mode == "fpdt" else None
     model = _model(TINY)
-    enable_sequence_parallel(model, mode=mode, chunk_size=chunk, offload=offload)
+    enable_sequence_parallel(model, mode=mode, chunk_size=chunk, offload=fpdt_offload)
     if checkpointing:
         enable_activation_checkpointing(model, offload=activation_offload)
     ids = torch.randint(0, TINY["vocab_size"], (1, 256))
+    assert offload.offloaded_bytes() == 0
     loss = model(**shard_batch({"input_ids": ids, "labels": ids.clone()}, chunk_size=chunk)).loss
     plan = plan_memory(TINY, seq_len=256, sequence_parallel_size=1, mode=mode, fpdt_chunk_size=chunk,
-                       offload=offload, activation_checkpointing=checkpointing,
+                       offload=fpdt_offload, activation_checkpointing=checkpointing,
                        activation_offload=activation_offload)  # fmt: skip
-    assert offloaded_bytes() == plan["activations kept for backward"].host > 0
+    after_forward, peak_in_forward = offload.offloaded_bytes(), peak[0]
     loss.backward()
-    assert offloaded_bytes() == 0
+    assert offload.offloaded_bytes() == 0
+    assert after_forward == plan.phase("loss forward")[1]
+    assert peak_in_forward == plan.phase("layer forward")[1] > 0
+    one_layer = 4 * (2 * 256 * 4 * 16 + 2 * 256 * 2 * 16 + 4 * 256)  # q, out, k, v, lse (fp32)
+    if fpdt_offload and checkpointing:
+        assert peak_in_forward - after_forward == one_layer  # one layer's chunks, not every layer's
+    elif fpdt_offload:
+        assert after_forward == TINY["num_hidden_layers"] * one_layer
 
 
 def test_activations_scale_as_one_over_p_and_offload_moves_them_to_the_host():
@@ -171,28 +190,47 @@ def test_sequence_is_padded_like_shard_batch_and_the_chunk_capped_at_the_local_l
 
 def test_longest_sequence_is_the_boundary_of_plan_memory():
     kw = {"sequence_parallel_size": 2, "mode": "fpdt", "fpdt_chunk_size": 1024}
-    budgets = [1 << 30, 2 << 30, 4 << 30]
+    budgets = [2 << 30, 3 << 30, 5 << 30]
     found = [longest_sequence(BENCH, device_memory=b, **kw) for b in budgets]
     assert found == sorted(found) and found[0] > 0
     for n, budget in zip(found, budgets):
         assert n % 2048 == 0
-        assert plan_memory(BENCH, seq_len=n, **kw).device_total <= budget
-        assert plan_memory(BENCH, seq_len=n + 2048, **kw).device_total > budget
-    assert longest_sequence(BENCH, device_memory="1MiB", **kw) == 0
-    ulysses = longest_sequence(BENCH, device_memory="2GiB", sequence_parallel_size=2)
+        fits, over = (plan_memory(BENCH, seq_len=x, **kw) for x in (n, n + 2048))
+        assert fits.device_needed <= budget < over.device_needed  # the peak plus its reserve
+        assert fits.device_reserve == (1 << 30) + fits.device_total // 20  # CUDA context + 5 % slack
+    assert longest_sequence(BENCH, device_memory="1GiB", **kw) == 0  # the CUDA context alone fills it
+    assert longest_sequence(BENCH, device_memory="1GiB", device_reserve=0, **kw) > found[0]
+    ulysses = longest_sequence(BENCH, device_memory="3GiB", sequence_parallel_size=2)
     assert 0 < ulysses < found[1] and ulysses % 2048 == 0
 
 
-def test_fits_and_memory_sizes():
+def test_fits_respects_device_and_host_and_names_the_binding_limit():
     assert parse_bytes("80GiB") == parse_bytes("80G") == 80 << 30
     assert (
         parse_bytes("141GB") == 141 * 10**9 and parse_bytes(512) == 512 and parse_bytes("1.5 MiB") == 3 << 19
     )
+    assert parse_bytes("1.9TB") == 19 * 10**11
     assert format_bytes(3 << 29) == "1.50 GiB" and format_bytes(0) == "0 B"
-    plan = plan_memory(BENCH, seq_len=4096, sequence_parallel_size=2, device_memory="64GiB")
-    assert plan.fits is True and "fits" in plan.table()
-    assert plan_memory(BENCH, seq_len=4096, sequence_parallel_size=2).fits is None
-    assert plan_memory(BENCH, seq_len=4096, sequence_parallel_size=2, device_memory="64MiB").fits is False
+    kw = {"seq_len": 65536, "sequence_parallel_size": 2, "mode": "fpdt", "fpdt_chunk_size": 1024,
+          "offload": True, "activation_offload": True}  # fmt: skip
+    plan = plan_memory(BENCH, device_memory="64GiB", **kw)
+    assert plan.fits is True and plan.binding == "device" and "fits" in plan.table()
+    assert plan_memory(BENCH, **kw).fits is None and plan_memory(BENCH, **kw).binding is None
+    assert plan_memory(BENCH, device_memory="64MiB", **kw).fits is False
+    # the host: devices_per_host ranks' host peak plus each one's process (4 GiB by default)
+    assert plan.devices_per_host == 2 and plan.host_needed == 2 * (plan.host_total + (4 << 30))
+    tight = plan_memory(BENCH, device_memory="64GiB", host_memory="8GiB", **kw)
+    assert tight.fits is False and tight.binding == "host"
+    table = tight.table()
+    assert "host memory 8.00 GiB per host of 2 devices" in table and "binding limit: host" in table
+    eight = plan_memory(BENCH, devices_per_host=8, host_reserve=0, host_memory="1TiB", **kw)
+    assert eight.host_needed == 8 * eight.host_total and eight.fits is True and eight.binding == "host"
+    assert plan_memory(BENCH, device_reserve="2GiB", **kw).device_needed == plan.device_total + (2 << 30)
+    # longest_sequence honours the host too: a small host budget binds first
+    search = {k: v for k, v in kw.items() if k != "seq_len"}
+    free = longest_sequence(BENCH, device_memory="64GiB", **search)
+    host_bound = longest_sequence(BENCH, device_memory="64GiB", host_memory="10GiB", **search)
+    assert 0 < host_bound < free
 
 
 @pytest.mark.parametrize(
@@ -233,7 +271,10 @@ def test_cli_plans_the_8b_1m_config(capsys):
         "LlamaForCausalLM (8.03B params), 1,048,576 tokens, sp 8 x dp 1, FPDT chunk 16,384 (8 per rank)"
         in out
     )
-    assert "bf16-mixed, FSDP, activation checkpointing: 131,072 tokens per device" in out
+    assert (
+        "bf16-mixed, FSDP, MixedPrecisionPolicy (16-bit compute params, fp32 reduce), activation checkpointing: "
+        "131,072 tokens per device" in out
+    )
     for row in (
         "weights",
         "optimizer state",
@@ -243,6 +284,11 @@ def test_cli_plans_the_8b_1m_config(capsys):
     ):
         assert row in out
     assert "longest sequence within" in out
+    assert main(["plan", "--config", str(CONFIGS / "llama3_8b_500k_1gpu.yaml"), "--device-memory", "80GiB",
+                 "--host-memory", "1TB"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "cpu_offload" in out and "host memory 931.32 GiB per host of 1 devices: needs" in out
+    assert "longest sequence within 80.00 GiB per device and 931.32 GiB per host: 950,272 tokens" in out
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
@@ -311,16 +357,20 @@ def _grid_points() -> list[tuple[str, dict]]:
     points = []
     memory_modes = [("ulysses", False), ("fpdt", False), ("fpdt", True)]  # (mode, FPDT offload)
     checkpointing = [(False, False), (True, False), (True, True)]  # (activation checkpointing, offload)
-    for (mode, offload), p, (ckpt, aoff), dp, precision in itertools.product(
-        memory_modes, (1, 2, 4, 8), checkpointing, ("ddp", "fsdp"), ("32-true", "bf16-mixed")
+    parallel = [("ddp", False), ("fsdp", False), ("fsdp", True)]  # (data parallel, cpu_offload)
+    for (mode, offload), p, (ckpt, aoff), (dp, cpu_offload), precision in itertools.product(
+        memory_modes, (1, 2, 4, 8), checkpointing, parallel, ("32-true", "bf16-mixed")
     ):
         kw = {"seq_len": 65536, "sequence_parallel_size": p, "mode": mode, "offload": offload,
               "activation_checkpointing": ckpt, "activation_offload": aoff, "data_parallel": dp,
               "data_parallel_size": 2 if dp == "fsdp" else 1, "precision": precision}  # fmt: skip
+        if cpu_offload:
+            kw["cpu_offload"] = True
         if mode == "fpdt":
             kw["fpdt_chunk_size"] = 2048
         points.append(("bench_mha", kw))
     rng = random.Random(19)
+    more = random.Random(20)  # the settings added later: the points above keep their draws
     precisions = ["32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
     for _ in range(180):
         mode, offload = rng.choice(memory_modes)
@@ -345,14 +395,25 @@ def _grid_points() -> list[tuple[str, dict]]:
             kw["mlp_chunk_size"] = rng.choice([None, None, 1024, 8192])
         if rng.random() < 0.2:
             kw["device_memory"] = rng.choice(["80GiB", "141GB", "1GiB"])
-        points.append((rng.choice(sorted(GRID_MODELS)), kw))
+        if kw["data_parallel"] == "fsdp" and more.random() < 0.4:
+            kw["cpu_offload"] = True
+        if more.random() < 0.15:
+            kw["lora_rank"] = more.choice([4, 16, 64])
+        if more.random() < 0.25:
+            kw["host_memory"] = more.choice(["64GiB", "1TB", "1.9TB"])
+            kw["devices_per_host"] = more.choice([1, 4, 8])
+        if more.random() < 0.15:
+            kw["device_reserve"] = more.choice([0, "2GiB"])
+        model = rng.choice(sorted(GRID_MODELS))
+        points.append((model, kw))
     return points
 
 
 GRID_LONGEST = [  # (model, longest_sequence kwargs)
-    ("bench_mha", {"device_memory": "1GiB", "sequence_parallel_size": 2, "mode": "fpdt", "fpdt_chunk_size": 1024}),
+    ("bench_mha", {"device_memory": "1GiB", "device_reserve": 0, "sequence_parallel_size": 2, "mode": "fpdt",
+                   "fpdt_chunk_size": 1024}),
     ("bench_mha", {"device_memory": "4GiB", "sequence_parallel_size": 4}),
-    ("tiny_gqa", {"device_memory": "512MiB", "sequence_parallel_size": 8, "mode": "fpdt", "offload": True,
+    ("tiny_gqa", {"device_memory": "512MiB", "device_reserve": "16MiB", "sequence_parallel_size": 8, "mode": "fpdt", "offload": True,
                   "activation_offload": True}),
     ("llama3_8b", {"device_memory": "80GiB", "sequence_parallel_size": 8, "mode": "fpdt", "fpdt_chunk_size": 16384,
                    "precision": "bf16-mixed", "data_parallel": "fsdp", "activation_checkpointing": True}),
@@ -360,6 +421,12 @@ GRID_LONGEST = [  # (model, longest_sequence kwargs)
                    "offload": True, "precision": "bf16-mixed", "data_parallel": "fsdp", "activation_offload": True}),
     ("llama3_8b", {"device_memory": "80GiB", "sequence_parallel_size": 4, "precision": "bf16-true",
                    "activation_checkpointing": True}),
+    ("llama3_8b", {"device_memory": "80GiB", "host_memory": "1TB", "sequence_parallel_size": 1, "mode": "fpdt",
+                   "fpdt_chunk_size": 16384, "offload": True, "activation_offload": True, "data_parallel": "fsdp",
+                   "cpu_offload": True, "precision": "bf16-mixed"}),
+    ("llama3_8b", {"device_memory": "80GiB", "host_memory": "1.9TB", "devices_per_host": 8,
+                   "sequence_parallel_size": 8, "mode": "fpdt", "fpdt_chunk_size": 16384, "offload": True,
+                   "activation_offload": True, "data_parallel": "fsdp", "precision": "bf16-mixed", "lora_rank": 16}),
 ]  # fmt: skip
 
 
@@ -439,3 +506,154 @@ def test_the_strategy_config_plans_through_one_mapping():
         config, seq_len=65536, sequence_parallel_size=8, data_parallel_size=2, mode="fpdt",
         fpdt_chunk_size=2048, offload=True, activation_offload=True,
     ).to_dict()  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------
+# The frontier: state offload, FSDP2's mixed precision, LoRA, the leaner recompute, the published points
+# ---------------------------------------------------------------------------------------------------
+
+
+def _layer_saved_bytes(tile_norms: bool) -> tuple[int, int]:
+    """(bytes decoder layer 0 saves for backward on the device, its tokens): a bf16 Llama in FPDT mode with
+    offload (the attention chunks go to the host: left out), the layer's input left out (under
+    checkpointing the checkpoint holds it), each storage counted once."""
+    from lightning_longctx.attention import offload
+    from lightning_longctx.tiling import untile_mlp_
+
+    torch.manual_seed(0)
+    model = _model(TINY).to(torch.bfloat16)
+    enable_sequence_parallel(model, mode="fpdt", chunk_size=64, offload=True)
+    if not tile_norms:
+        for m in model.modules():
+            if type(m).__name__.endswith("RMSNorm"):
+                untile_mlp_(m)
+    host: set[int] = set()
+    put = offload.ChunkStore.put
+
+    def recording_put(self: Any, key: Any, x: torch.Tensor) -> None:
+        put(self, key, x)
+        host.add(self._data[key].untyped_storage().data_ptr())
+
+    layer, seen, recording = model.model.layers[0], {}, [False]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if recording[0]:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def start(module: Any, args: Any, kwargs: Any) -> None:
+        recording[0] = True  # its inputs (hidden states, RoPE tables) are not its own
+        tensors = [*args, *kwargs.values(), *kwargs.get("position_embeddings", ())]
+        inputs.update(t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor))
+
+    inputs: set[int] = set()
+    handles = [layer.register_forward_pre_hook(start, with_kwargs=True),
+               layer.register_forward_hook(lambda *a: recording.__setitem__(0, False))]  # fmt: skip
+    ids = torch.randint(0, TINY["vocab_size"], (1, 256))
+    offload.ChunkStore.put = recording_put
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(**shard_batch({"input_ids": ids, "labels": ids.clone()}, chunk_size=64))
+    finally:
+        offload.ChunkStore.put = put
+        for h in handles:
+            h.remove()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in seen.items() if ptr not in host | params | inputs), 256
+
+
+def test_the_recomputed_layer_keeps_under_half_the_bytes_per_token():
+    """Measured on CPU (bf16, the hidden size is the attention width as in Llama-3-8B): what one decoder layer
+    saves for backward per token, which is what its recompute holds, drops from 18 to 8 bytes per hidden unit
+    (72 to 32 KiB per token at hidden 4096) with FPDT's tiled norms; the planner says the same."""
+    tiled, tokens = _layer_saved_bytes(tile_norms=True)
+    untiled, _ = _layer_saved_bytes(tile_norms=False)
+    d = TINY["hidden_size"]
+    assert untiled == pytest.approx(18 * d * tokens, rel=0.02)  # HF's two norms: fp32 input + normed, each
+    assert tiled == 8 * d * tokens
+    assert 1 - tiled / untiled >= 0.30
+    plan = plan_memory(TINY, seq_len=256, sequence_parallel_size=1, mode="fpdt", fpdt_chunk_size=64,
+                       offload=True, activation_checkpointing=True, precision="bf16-true")  # fmt: skip
+    assert plan["layer recompute (checkpointing)"].largest == tiled
+    big = plan_memory(LLAMA3_8B, seq_len=1 << 21, sequence_parallel_size=4, mode="fpdt", fpdt_chunk_size=16384,
+                      offload=True, activation_offload=True, precision="bf16-true")  # fmt: skip
+    assert big["layer recompute (checkpointing)"].largest == 32 * 1024 * big.tokens_per_device  # was 72 KiB
+
+
+def test_cpu_offload_puts_the_model_state_on_the_host():
+    kw = {"seq_len": 65536, "sequence_parallel_size": 2, "data_parallel_size": 2, "data_parallel": "fsdp",
+          "mode": "fpdt", "fpdt_chunk_size": 1024, "activation_checkpointing": True}  # fmt: skip
+    on, off = plan_memory(BENCH, cpu_offload=True, **kw), plan_memory(BENCH, **kw)
+    for row in ("weights", "optimizer state"):
+        assert on[row].device == 0 and on[row].host == off[row].largest > 0  # AdamW's step temporary too
+    assert on["gradients"].largest == 0 and on.phase("optimizer step")[1] > 0
+    assert on.device_total < off.device_total and on.between_steps == off.between_steps
+    assert on["FSDP unsharded params/grads"].largest == off["FSDP unsharded params/grads"].largest
+    with pytest.raises(ValueError, match=r"cpu_offload=True with data_parallel='ddp'.*data_parallel='fsdp'"):
+        plan_memory(BENCH, seq_len=4096, sequence_parallel_size=2, cpu_offload=True)
+
+
+def test_fsdp_mixed_precision_computes_in_bf16_over_fp32_master_weights():
+    """fsdp + bf16-mixed: fp32 weights, gradients and AdamW state (sharded), bf16 blocks in flight and a bf16
+    residual stream: the activations of a model built in bf16 under autocast; no autocast weight copies."""
+    kw = {"seq_len": 65536, "sequence_parallel_size": 2, "data_parallel": "fsdp", "mode": "fpdt",
+          "fpdt_chunk_size": 1024, "activation_checkpointing": True, "precision": "bf16-mixed"}  # fmt: skip
+    mp = plan_memory(BENCH, **kw)
+    ddp = plan_memory(BENCH, **{**kw, "data_parallel": "ddp"})
+    bf16_built = plan_memory(BENCH, param_dtype="bfloat16", **kw)
+    assert mp.mp_policy and bf16_built.mp_policy and not ddp.mp_policy  # the policy also over bf16 weights
+    assert mp["weights"].largest == 2 * bf16_built["weights"].largest  # fp32 master weights
+    assert mp["activations kept for backward"].largest == bf16_built["activations kept for backward"].largest
+    assert "autocast weight copies" not in [c.name for c in mp.components]
+    assert mp["activations kept for backward"].largest < ddp["activations kept for backward"].largest
+    assert "MixedPrecisionPolicy" in mp.describe()
+
+
+def test_lora_trains_only_the_adapters():
+    """Frozen base weights carry no gradient or optimizer state; the adapter count is peft's."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_model(TINY), LoraConfig(r=8, target_modules="all-linear"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    base = sum(p.numel() for p in _model(TINY).parameters())
+    kw = {"seq_len": 4096, "sequence_parallel_size": 2}
+    lora, full = plan_memory(TINY, lora_rank=8, **kw), plan_memory(TINY, **kw)
+    assert lora.trainable_params == trainable and full.trainable_params == base
+    assert lora["weights"].largest == 4 * (base + trainable)
+    assert lora["DDP gradient buckets"].largest == 4 * trainable
+    assert lora["optimizer state"].device == 2 * 4 * trainable
+    assert lora["activations kept for backward"].largest == full["activations kept for backward"].largest
+    qv = plan_memory(TINY, lora_rank=8, lora_targets=("q_proj", "v_proj"), **kw)
+    q = get_peft_model(_model(TINY), LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    assert qv.trainable_params == sum(p.numel() for p in q.parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match=r"lora_targets=\('qproj',\).*'qproj'.*q_proj"):
+        plan_memory(TINY, lora_rank=8, lora_targets=("qproj",), **kw)
+
+
+def _frontier() -> Any:
+    """benchmarks/bench_frontier.py: the published points and our settings for them (one list, printed there)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_frontier", ROOT / "benchmarks" / "bench_frontier.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # its `import common`
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_the_published_frontier_fits(index):
+    """Every published point fits by the plan with our features on, the reserve included; the stretch point
+    (2M on 4 x 40 GB) does not yet, and says the device binds."""
+    frontier = _frontier()
+    assert len(frontier.FRONTIER) == 6 and frontier.LLAMA3_8B == LLAMA3_8B
+    point = frontier.FRONTIER[index]
+    plan = plan_memory(LLAMA3_8B, seq_len=point[1], **frontier.frontier_kwargs(point))
+    assert plan.device_reserve > 1 << 30  # the CUDA context and the allocator's slack are in
+    if "stretch" in point[0]:
+        assert plan.fits is False and plan.binding == "device"
+    else:
+        assert plan.fits, plan.table()

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One prepared check for an NVIDIA GPU machine (PyTorch, Triton, transformers; no internet, no
 # flash-attn, nothing installed): the CUDA tests, then MFU and the largest FPDT + offload + activation offload sequence of a
-# ~1B Llama on ONE GPU. Run from anywhere; it works in the repository root. Ends in < 8 minutes.
+# ~1B Llama on ONE GPU, without and with the model state in host memory (FSDP2 cpu_offload). Run from anywhere; it
+# works in the repository root. Ends in < 8 minutes.
 #
 #   bash benchmarks/gpu/check.sh OUTDIR            # on the GPU machine
 #   DEVICE=cpu bash benchmarks/gpu/check.sh OUTDIR # dry run of the whole script on a CPU, toy sizes
 #
-# Writes check.log, pytest.log, pytest.xml, mfu.json, fit.json, summary.json into OUTDIR. Stages (each
+# Writes check.log, pytest.log, pytest.xml, mfu.json, fit.json, fit_offload.json, summary.json into OUTDIR. Stages (each
 # under `timeout`; a failed stage does not stop the next) and knobs: see benchmarks/README.md.
 set -u
 
@@ -26,15 +27,20 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 if [ "$DEVICE" = cpu ]; then  # dry run: same stages, toy sizes, the OOM paths simulated
     export LONGCTX_GPU_TESTS_ON_CPU=1
     TEST_TIMEOUT=${TEST_TIMEOUT:-240}; MFU_BUDGET=${MFU_BUDGET:-60}; FIT_BUDGET=${FIT_BUDGET:-60}
+    OFFLOAD_FIT_BUDGET=${OFFLOAD_FIT_BUDGET:-60}
     SEQ_LENS=${SEQ_LENS:-"256 512 1024 2048"}; FIT_START=${FIT_START:-256}
     EXTRA=(--device cpu --tiny --simulate-oom-above 600)
     FIT_EXTRA=(--device cpu --tiny --chunk-size 128 --simulate-oom-above 1024 --max-len 4096)
     TOTAL_BUDGET=${TOTAL_BUDGET_CPU:-600}
 else
-    TEST_TIMEOUT=${TEST_TIMEOUT:-90}; MFU_BUDGET=${MFU_BUDGET:-140}; FIT_BUDGET=${FIT_BUDGET:-170}
+    # 90 + 110 + 130 + 120 = the 450 s; each benchmark stage gets 20-30 s more as its hard limit, which the
+    # last stages lose (cap) when the earlier ones overran
+    TEST_TIMEOUT=${TEST_TIMEOUT:-90}; MFU_BUDGET=${MFU_BUDGET:-110}; FIT_BUDGET=${FIT_BUDGET:-130}
+    OFFLOAD_FIT_BUDGET=${OFFLOAD_FIT_BUDGET:-120}
     SEQ_LENS=${SEQ_LENS:-"32768 65536 131072 262144"}; FIT_START=${FIT_START:-65536}
     EXTRA=(); FIT_EXTRA=()
 fi
+OFFLOAD_FIT_START=${OFFLOAD_FIT_START:-$FIT_START}  # the same lengths as stage 4: state offload at equal N
 
 START=$SECONDS
 left() { echo $((TOTAL_BUDGET - (SECONDS - START))); }
@@ -43,12 +49,12 @@ stage() { echo; echo "=== [$((SECONDS - START))s] $* ==="; }
 minus() { local v=$(($1 - $2)); echo $((v > 1 ? v : 1)); }
 
 main() {
-    stage "1/5 environment"
+    stage "1/6 environment"
     nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
     timeout -k 5 60 "$PY" benchmarks/gpu/summarize.py env
     RC_ENV=$?
 
-    stage "2/5 CUDA tests: pytest -m cuda tests/ (timeout $(cap "$TEST_TIMEOUT")s)"
+    stage "2/6 CUDA tests: pytest -m cuda tests/ (timeout $(cap "$TEST_TIMEOUT")s)"
     IGNORE=()  # the CLI tests need jsonargparse (LightningCLI); they hold no CUDA test
     if ! "$PY" -c "import jsonargparse" 2>/dev/null; then
         echo "jsonargparse is not installed: collecting without tests/test_cli.py"
@@ -60,7 +66,7 @@ main() {
     tail -n 25 "$OUT/pytest.log"
     echo "pytest exit code: $RC_TESTS"
 
-    stage "3/5 MFU, Ulysses (SDPA), N = $SEQ_LENS (budget ${MFU_BUDGET}s)"
+    stage "3/6 MFU, Ulysses (SDPA), N = $SEQ_LENS (budget ${MFU_BUDGET}s)"
     H=$(cap $((MFU_BUDGET + 30)))  # hard limit; the script plans its lengths within H - 30 s
     # shellcheck disable=SC2086  # SEQ_LENS is a list of numbers
     timeout -k 10 "$H" "$PY" benchmarks/gpu/longctx.py mfu --seq-lens $SEQ_LENS --budget-s "$(minus "$H" 30)" \
@@ -68,7 +74,7 @@ main() {
     RC_MFU=$?
     echo "mfu exit code: $RC_MFU"
 
-    stage "4/5 largest sequence with FPDT + offload + activation offload, doubling from $FIT_START (budget ${FIT_BUDGET}s)"
+    stage "4/6 largest sequence with FPDT + offload + activation offload, doubling from $FIT_START (budget ${FIT_BUDGET}s)"
     H=$(cap $((FIT_BUDGET + 20)))
     timeout -k 10 "$H" "$PY" benchmarks/gpu/longctx.py fit --start "$FIT_START" --budget-s "$(minus "$H" 20)" --steps 1 \
         --activation-offload \
@@ -76,13 +82,21 @@ main() {
     RC_FIT=$?
     echo "fit exit code: $RC_FIT"
 
-    stage "5/5 summary"
+    stage "5/6 the same with the model state on the host (FSDP2 cpu_offload, fp32 master weights, bf16 compute), doubling from $OFFLOAD_FIT_START (budget ${OFFLOAD_FIT_BUDGET}s)"
+    H=$(cap $((OFFLOAD_FIT_BUDGET + 20)))
+    timeout -k 10 "$H" "$PY" benchmarks/gpu/longctx.py fit --start "$OFFLOAD_FIT_START" --budget-s "$(minus "$H" 20)" --steps 1 \
+        --activation-offload --cpu-offload \
+        --out "$OUT/fit_offload.json" ${FIT_EXTRA[@]+"${FIT_EXTRA[@]}"}
+    RC_FIT_OFFLOAD=$?
+    echo "fit --cpu-offload exit code: $RC_FIT_OFFLOAD"
+
+    stage "6/6 summary"
     timeout -k 5 60 "$PY" benchmarks/gpu/summarize.py summary "$OUT" \
-        --rc env=$RC_ENV tests=$RC_TESTS mfu=$RC_MFU fit=$RC_FIT
+        --rc env=$RC_ENV tests=$RC_TESTS mfu=$RC_MFU fit=$RC_FIT fit_offload=$RC_FIT_OFFLOAD
     echo
     echo "done in $((SECONDS - START))s; files in $OUT:"
     ls -l "$OUT"
-    [ "$RC_TESTS" -eq 0 ] && [ "$RC_MFU" -eq 0 ] && [ "$RC_FIT" -eq 0 ]
+    [ "$RC_TESTS" -eq 0 ] && [ "$RC_MFU" -eq 0 ] && [ "$RC_FIT" -eq 0 ] && [ "$RC_FIT_OFFLOAD" -eq 0 ]
 }
 
 main 2>&1 | tee "$OUT/check.log"

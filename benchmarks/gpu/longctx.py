@@ -2,6 +2,7 @@
 
     python benchmarks/gpu/longctx.py mfu --seq-lens 32768 65536 131072 262144 --budget-s 150 --out OUT/mfu.json
     python benchmarks/gpu/longctx.py fit --start 65536 --budget-s 180 --out OUT/fit.json
+    python benchmarks/gpu/longctx.py fit --cpu-offload --activation-offload --budget-s 120 --out OUT/fit_offload.json
 
 Model: Llama shape, hidden 2048, 16 layers, 16 heads (head_dim 128), 8 kv heads, intermediate 5632,
 vocab 32000 (~0.9B parameters), bf16 weights, fused AdamW; one sample of N tokens per step, random
@@ -25,6 +26,17 @@ all-to-alls are identities, the kernels and tiling are the ones used at any P):
   and its error against ``max_memory_allocated`` (the planner counts DDP buckets, here the gradients:
   the same bytes).
   ``--start N --max-len N`` runs one length.
+* ``fit --cpu-offload``: the same search with the model state in host memory, the way
+  ``UlyssesFPDTStrategy(data_parallel="fsdp", cpu_offload=True)`` with ``bf16-mixed`` holds it: the package's
+  ``FSDP2Sharding`` over a 1-rank process group (``cuda:nccl,cpu:gloo``, as the strategy's backend; gloo on a
+  CPU) shards every decoder block and the root with FSDP2's ``CPUOffloadPolicy`` and a
+  ``MixedPrecisionPolicy`` (bf16 compute, fp32 gradient reduction): fp32 master weights, their gradients and
+  the AdamW state (torch's foreach kernel over the host DTensors) live on the host, the optimizer steps
+  there; the forward runs under bf16 autocast as Lightning's ``bf16-mixed`` does. The planner is asked the
+  same (``data_parallel="fsdp", cpu_offload=True, precision="bf16-mixed"``, fp32 weights). Per length, beside
+  ``max_memory_allocated`` vs the planned peak (``device_reserve=0``: the reserve is not allocated memory):
+  ``max_memory_reserved`` and the device memory in use at the end (the CUDA context too) vs the planned
+  ``device_needed`` with the default reserve, and the process's peak RSS vs the planned ``host_needed``.
 
 Both write their JSON after each length, so a run killed by ``timeout`` keeps what it measured.
 ``--device cpu --tiny`` runs the same logic at toy sizes on a CPU (a dry run of the script).
@@ -35,9 +47,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +60,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the package from the source tree; common.py
 
-from common import GIB, environment, launch, linear_fit, meminfo_bytes, write_json  # noqa: E402
+from common import GIB, environment, free_port, launch, linear_fit, meminfo_bytes, write_json  # noqa: E402
 
 SHAPE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
          "vocab_size")  # fmt: skip
@@ -71,6 +85,8 @@ def peak_flops(device: torch.device) -> tuple[float, str]:
 
 
 def build_model(args: argparse.Namespace, device: torch.device, max_len: int) -> torch.nn.Module:
+    """bf16 weights on ``device``; ``--cpu-offload``: fp32 weights built on the host and sharded there by FSDP2
+    (a 1-rank group must exist: :func:`single_rank_group`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lightning_longctx import enable_sequence_parallel
@@ -79,15 +95,39 @@ def build_model(args: argparse.Namespace, device: torch.device, max_len: int) ->
     config = AutoConfig.for_model("llama", **shape, max_position_embeddings=max_len, tie_word_embeddings=False,
                                   attention_dropout=0.0, use_cache=False)  # fmt: skip
     torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    # under cpu_offload the model is never whole on the device (the strategy's tensor_init_context)
+    with torch.device("cpu" if args.cpu_offload else device):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32 if args.cpu_offload else torch.bfloat16
+        )
     model.train()
     chunk = min(args.chunk_size, max_len) if args.mode == "fpdt" else None
     backend = "sdpa" if args.mode == "ulysses" else "auto"
     enable_sequence_parallel(
         model, group=None, mode=args.mode, chunk_size=chunk, offload=args.offload, backend=backend
     )
+    if args.cpu_offload:  # the strategy's _setup_model for data_parallel="fsdp", cpu_offload=True, bf16-mixed
+        from lightning_longctx.fsdp import FSDP2Sharding
+
+        FSDP2Sharding(device.type, 1, cpu_offload=True).shard(model, param_dtype=torch.bfloat16)
     return model
+
+
+@contextlib.contextmanager
+def single_rank_group(device: torch.device) -> Iterator[None]:
+    """A 1-rank default process group for FSDP2 (``--cpu-offload``): NCCL for the device's tensors and gloo for
+    the host's, the backend the strategy picks under ``cpu_offload``; gloo alone on a CPU. Destroyed on exit."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if device.type == "cuda":
+        torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
+    dist.init_process_group("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def make_batch(n: int, vocab: int, device: torch.device, chunk: int | None) -> dict[str, torch.Tensor]:
@@ -98,11 +138,17 @@ def make_batch(n: int, vocab: int, device: torch.device, chunk: int | None) -> d
 
 
 class Stepper:
-    """One optimizer step (forward, backward, fused AdamW) of the patched model, timed with a sync."""
+    """One optimizer step (forward, backward, AdamW) of the patched model, timed with a sync.
+
+    AdamW: fused on the GPU's bf16 weights; ``--cpu-offload``: foreach over the host's fp32 DTensor shards (the
+    fused kernel needs the device; the default per-parameter loop is one DTensor dispatch per parameter and
+    op), the forward under bf16 autocast (Lightning's ``bf16-mixed``, which the strategy leaves on)."""
 
     def __init__(self, model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> None:
         self.model, self.args, self.device = model, args, device
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+        kernel = {"foreach": True} if args.cpu_offload else {"fused": device.type == "cuda"}
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **kernel)
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.cpu_offload)
         self.host_bytes_after_forward = 0
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -123,7 +169,8 @@ class Stepper:
         t0 = time.perf_counter()
         if simulate_oom:
             raise torch.OutOfMemoryError("simulated OOM (--simulate-oom-above, dry run)")
-        loss = self._loss(batch)
+        with self.autocast:
+            loss = self._loss(batch)
         self.host_bytes_after_forward = max(self.host_bytes_after_forward, offloaded_bytes())
         loss.backward()
         self.opt.step()
@@ -215,8 +262,11 @@ def measure_length(
             measured_step_s=round(sorted(measured)[len(measured) // 2], 4),
         )
         if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
             row["max_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / GIB, 2)
             row["max_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / GIB, 2)
+            # what nvidia-smi shows after the steps: the CUDA context and libraries' workspaces + the reserve
+            row["device_in_use_gib"] = round((total - free) / GIB, 2)
         return row, use_ckpt
     return {**row, "status": "oom"}, True
 
@@ -302,46 +352,80 @@ def cmd_mfu(args: argparse.Namespace) -> int:
 
 def run_length(args: argparse.Namespace) -> dict[str, Any]:
     """One length of ``fit`` (FPDT + offload), in a process launched for it; the row."""
+    from lightning_longctx.callbacks.memory import host_rss_bytes
+
     device = torch.device(args.device)
     if args.tf32:
         torch.set_float32_matmul_precision("high")  # FPDT's fp32 block matmuls; exact for bf16 q, k
     peak, peak_source = peak_flops(device)
+    rss_start = host_rss_bytes()  # the process before the model: torch, transformers, the CUDA context
     t0 = time.perf_counter()
-    model = build_model(args, device, args.seq_len)
-    stepper = Stepper(model, args, device)
-    row, _ = measure_length(stepper, args.seq_len, args, args.checkpointing)
+    with single_rank_group(device) if args.cpu_offload else contextlib.nullcontext():
+        model = build_model(args, device, args.seq_len)
+        stepper = Stepper(model, args, device)
+        row, _ = measure_length(stepper, args.seq_len, args, args.checkpointing)
     add_rates(row, model.config, peak)
-    if row.get("status") == "ok":
-        add_plan(row, model.config, args)
     row.update(
         mode=args.mode,
         offload=args.offload,
         activation_offload=args.activation_offload,
+        cpu_offload=args.cpu_offload,
         chunk_size=args.chunk_size,
         float32_matmul_precision=torch.get_float32_matmul_precision(),
         host_offloaded_gib=round(stepper.host_bytes_after_forward / GIB, 2),
-        max_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        rss_before_model_gib=round(rss_start / GIB, 2),
+        max_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),  # KiB on Linux
         peak_flops=peak,
         peak_source=peak_source,
         wall_s=round(time.perf_counter() - t0, 1),
     )
     if device.type == "cuda":
         row["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / GIB, 1)
+    if row.get("status") == "ok":
+        add_plan(row, model.config, args)
     return row
 
 
+def _error_pct(planned: float, measured: float | None) -> float | None:
+    return round(100 * (planned / measured - 1), 1) if measured else None
+
+
 def add_plan(row: dict[str, Any], config: Any, args: argparse.Namespace) -> None:
-    """The memory planner's device bytes for this length and settings, and its error vs the measured."""
+    """The memory planner's bytes for this length and settings, and its errors vs the measured ones.
+
+    ``planned_gib`` (``device_reserve=0``) vs ``max_memory_allocated``; ``planned_device_needed_gib`` (the
+    default reserve: CUDA context + allocator slack) vs ``max_memory_reserved`` and the device memory in use;
+    ``planned_host_needed_gib`` (the rank's host peak + the process's reserve) vs the peak RSS. ``fits`` /
+    ``binding`` against this GPU's memory and this host's ``MemTotal``."""
     from lightning_longctx import plan_memory
 
-    plan = plan_memory(config, seq_len=row["seq_len"], sequence_parallel_size=1, mode="fpdt",
-                       fpdt_chunk_size=args.chunk_size, offload=True, activation_checkpointing=row["activation_checkpointing"],
-                       activation_offload=args.activation_offload, precision="bf16-true", optimizer="adamw")  # fmt: skip
-    row["planned_gib"] = round(plan.device_total / GIB, 2)
-    row["planned_host_gib"] = round(plan.host_total / GIB, 2)
-    row["planned_peak_phase"] = plan.peak_phase
-    if row.get("max_allocated_gib"):
-        row["planner_error_pct"] = round(100 * (plan.device_total / GIB / row["max_allocated_gib"] - 1), 1)
+    # --cpu-offload: the strategy's data_parallel="fsdp", cpu_offload=True, bf16-mixed over fp32 weights
+    if args.cpu_offload:
+        setup = dict(data_parallel="fsdp", cpu_offload=True, precision="bf16-mixed", param_dtype="float32")
+    else:  # bf16 weights, replicated (P = 1, one rank)
+        setup = dict(precision="bf16-true")
+    kw = dict(seq_len=row["seq_len"], sequence_parallel_size=1, mode="fpdt", fpdt_chunk_size=args.chunk_size,
+              offload=True, activation_checkpointing=row["activation_checkpointing"],
+              activation_offload=args.activation_offload, optimizer="adamw", **setup)  # fmt: skip
+    allocated = plan_memory(config, **kw, device_reserve=0)  # the reserve is not allocated memory
+    device = torch.device(args.device)
+    gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    needed = plan_memory(config, **kw, device_memory=gpu, host_memory=meminfo_bytes("MemTotal") or None)
+    planned, device_needed = allocated.device_needed / GIB, needed.device_needed / GIB
+    row.update(
+        planned_gib=round(planned, 2),
+        planned_host_gib=round(allocated.host_total / GIB, 2),
+        planned_peak_phase=allocated.peak_phase,
+        planned_device_needed_gib=round(device_needed, 2),
+        planned_device_reserve_gib=round(needed.device_reserve / GIB, 2),
+        planned_host_needed_gib=round(needed.host_needed / GIB, 2),
+        planned_fits=needed.fits,
+        planned_binding=needed.binding,
+        planner_error_pct=_error_pct(planned, row.get("max_allocated_gib")),
+        device_needed_vs_reserved_pct=_error_pct(device_needed, row.get("max_reserved_gib")),
+        device_needed_vs_in_use_pct=_error_pct(device_needed, row.get("device_in_use_gib")),
+        host_needed_vs_rss_pct=_error_pct(needed.host_needed / GIB, row.get("max_rss_gib")),
+    )
 
 
 def estimate_limit(rows: list[dict[str, Any]], key: str, capacity: float | None) -> dict[str, Any] | None:
@@ -365,10 +449,17 @@ def cmd_fit(args: argparse.Namespace) -> int:
     """Largest FPDT + offload length: doubling, one fresh process per length."""
     t_start = time.perf_counter()
     payload: dict[str, Any] = {
-        "benchmark": "gpu_fpdt_offload_fit",
+        "benchmark": "gpu_fpdt_state_offload_fit" if args.cpu_offload else "gpu_fpdt_offload_fit",
         "mode": "fpdt",
         "offload": True,
         "activation_offload": args.activation_offload,
+        "cpu_offload": args.cpu_offload,
+        "dtype": (
+            "fp32 master weights, gradients and foreach AdamW on the host (FSDP2 CPUOffloadPolicy), bf16 compute "
+            "(MixedPrecisionPolicy, bf16 autocast)"
+            if args.cpu_offload
+            else "bfloat16 weights, fused AdamW"
+        ),
         "chunk_size": args.chunk_size,
         "tf32": args.tf32,
         "budget_s": args.budget_s,
@@ -410,6 +501,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
         "host_offload": estimate_limit(
             ok, "host_offloaded_gib", meminfo_bytes("MemTotal") / GIB * 0.8 or None
         ),
+        # the whole process (model state under --cpu-offload, pinned buffers, FPDT and activation offload)
+        "host_rss": estimate_limit(ok, "max_rss_gib", meminfo_bytes("MemTotal") / GIB or None),
     }
     payload["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     write_json(args.out, payload)
@@ -448,9 +541,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--activation-offload", action="store_true",
                    help="checkpointing from the start, each layer's checkpointed input in host memory")  # fmt: skip
     f.add_argument("--no-tf32", dest="tf32", action="store_false", help="FPDT block matmuls in full fp32")
+    f.add_argument("--cpu-offload", action="store_true",
+                   help="model state on the host: FSDP2 CPUOffloadPolicy, fp32 master weights, bf16 compute")  # fmt: skip
     args = p.parse_args(argv)
     if args.cmd == "mfu":
-        args.mode, args.offload, args.activation_offload = "ulysses", False, False
+        args.mode, args.offload, args.activation_offload, args.cpu_offload = "ulysses", False, False, False
     return args
 
 

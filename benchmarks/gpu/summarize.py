@@ -1,8 +1,9 @@
 """Environment probe and summary for ``check.sh``: ``env`` prints what the machine has; ``summary`` merges
-``mfu.json`` and ``fit.json`` into ``summary.json`` with the FPDT overhead over Ulysses at equal N.
+``mfu.json``, ``fit.json`` and ``fit_offload.json`` (the fit with the model state on the host) into
+``summary.json`` with the FPDT overhead over Ulysses and the state offload's cost at equal N.
 
     python benchmarks/gpu/summarize.py env
-    python benchmarks/gpu/summarize.py summary OUTDIR --rc tests=0 mfu=0 fit=0
+    python benchmarks/gpu/summarize.py summary OUTDIR --rc tests=0 mfu=0 fit=0 fit_offload=0
 """
 
 from __future__ import annotations
@@ -57,10 +58,59 @@ def junit_counts(path: Path) -> dict[str, Any] | None:
     return totals
 
 
+#: per length of a fit: measured vs planned memory (``longctx.py add_plan``)
+PLANNER_KEYS = (
+    "seq_len",
+    "max_allocated_gib",
+    "planned_gib",
+    "planner_error_pct",
+    "max_reserved_gib",
+    "device_in_use_gib",
+    "planned_device_needed_gib",
+    "device_needed_vs_reserved_pct",
+    "device_needed_vs_in_use_pct",
+    "host_offloaded_gib",
+    "planned_host_gib",
+    "max_rss_gib",
+    "planned_host_needed_gib",
+    "host_needed_vs_rss_pct",
+    "planned_fits",
+    "planned_binding",
+    "activation_checkpointing",
+)
+
+
+def _ok_rows(data: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
+    return {r["seq_len"]: r for r in (data or {}).get("results", []) if r.get("status") == "ok"}
+
+
+def state_offload_cost(
+    fpdt: dict[int, dict[str, Any]], offload: dict[int, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """At each N both fits ran: the device memory the state offload saves and the time it adds."""
+    rows = []
+    for n in sorted(set(fpdt) & set(offload)):
+        f, o = fpdt[n], offload[n]
+        saved = None
+        if f.get("max_allocated_gib") is not None and o.get("max_allocated_gib") is not None:
+            saved = round(f["max_allocated_gib"] - o["max_allocated_gib"], 2)
+        rows.append(
+            {
+                "seq_len": n,
+                "fpdt_offload_step_s": f["measured_step_s"],
+                "state_offload_step_s": o["measured_step_s"],
+                "overhead": round(o["measured_step_s"] / f["measured_step_s"] - 1.0, 3),
+                "device_allocated_saved_gib": saved,
+                "max_rss_gib": [f.get("max_rss_gib"), o.get("max_rss_gib")],
+            }
+        )
+    return rows
+
+
 def summarize(out: Path, rc: dict[str, str]) -> dict[str, Any]:
     mfu, fit = _load(out / "mfu.json"), _load(out / "fit.json")
-    ulysses = {r["seq_len"]: r for r in (mfu or {}).get("results", []) if r.get("status") == "ok"}
-    fpdt = {r["seq_len"]: r for r in (fit or {}).get("results", []) if r.get("status") == "ok"}
+    fit_offload = _load(out / "fit_offload.json")
+    ulysses, fpdt, state = _ok_rows(mfu), _ok_rows(fit), _ok_rows(fit_offload)
     overhead = []
     for n in sorted(set(ulysses) & set(fpdt)):
         u, f = ulysses[n], fpdt[n]
@@ -92,22 +142,14 @@ def summarize(out: Path, rc: dict[str, str]) -> dict[str, Any]:
         "fpdt_offload_stopped_by": (fit or {}).get("stopped_by"),
         "fpdt_offload_estimated_limits": (fit or {}).get("estimated_limits"),
         "fpdt_activation_offload": (fit or {}).get("activation_offload"),
-        "planner_vs_measured": [
-            {
-                k: r.get(k)
-                for k in (
-                    "seq_len",
-                    "max_allocated_gib",
-                    "planned_gib",
-                    "planner_error_pct",
-                    "host_offloaded_gib",
-                    "planned_host_gib",
-                    "activation_checkpointing",
-                )
-            }
-            for r in fpdt.values()
-        ],
+        "planner_vs_measured": [{k: r.get(k) for k in PLANNER_KEYS} for r in fpdt.values()],
         "fpdt_overhead_over_ulysses": overhead,
+        # fit --cpu-offload: FSDP2 CPUOffloadPolicy, fp32 master weights on the host, bf16 compute
+        "state_offload_largest_fit": (fit_offload or {}).get("largest_fit"),
+        "state_offload_stopped_by": (fit_offload or {}).get("stopped_by"),
+        "state_offload_estimated_limits": (fit_offload or {}).get("estimated_limits"),
+        "state_offload_planner_vs_measured": [{k: r.get(k) for k in PLANNER_KEYS} for r in state.values()],
+        "state_offload_cost": state_offload_cost(fpdt, state),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -138,6 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     for o in summary["fpdt_overhead_over_ulysses"]:
         print(f"FPDT overhead at N={o['seq_len']}: {100 * o['overhead']:+.0f}%  ({o})")
+    print(
+        f"FPDT+offload+state offload: largest N that ran {summary['state_offload_largest_fit']} "
+        f"(stopped by {summary['state_offload_stopped_by']}); estimates {summary['state_offload_estimated_limits']}"
+    )
+    for r in summary["state_offload_planner_vs_measured"]:
+        print(f"  planner at N={r['seq_len']}: {r}")
+    for o in summary["state_offload_cost"]:
+        print(f"state offload cost at N={o['seq_len']}: {100 * o['overhead']:+.0f}% time ({o})")
     print(f"stage exit codes: {summary['stage_exit_codes']}")
     return 0
 

@@ -525,12 +525,10 @@ class _FPDTAttention(torch.autograd.Function):
         if pend_out is not None:
             outs.append(pend_out.wait())
         tail = [] if sinks is None else [sinks]  # saved as an input: in-place edits before backward raise
-        if call.offload:
-            ctx.store = store
-            ctx.save_for_backward(*tail)
-        else:
-            ctx.keys, tensors = store.saved()
-            ctx.save_for_backward(*tensors, *tail)
+        # Saved tensors, host buffers too: under activation checkpointing the checkpoint drops them after this
+        # forward and the layer's recompute rebuilds them (one layer's chunks on the host, not every layer's).
+        ctx.keys, tensors = store.saved()
+        ctx.save_for_backward(*tensors, *tail)
         ctx.call = call
         ctx.inputs = _Inputs(q.dtype, k.dtype, q.shape[2], k.shape[2], sinks is not None)
         return torch.cat(outs, dim=1)
@@ -545,7 +543,8 @@ class _FPDTAttention(torch.autograd.Function):
         u, S = plan.num_segments, plan.seg_len
         saved = list(ctx.saved_tensors)
         sinks = saved.pop() if inputs.has_sinks else None
-        store = ctx.store if call.offload else ChunkStore.restore(ctx.keys, saved, grad.device)
+        store = ChunkStore.restore(ctx.keys, saved, offload=call.offload, device=grad.device)
+        del saved
         ct = compute_dtype(inputs.q_dtype)
         sink = None if sinks is None else sinks.to(ct)
         dsink = None if sink is None else torch.zeros_like(sink)
@@ -601,9 +600,7 @@ class _FPDTAttention(torch.autograd.Function):
             if not call.overlap:
                 for pending in in_flight:
                     pending.wait()
-        if call.offload:
-            store.release()  # host buffers go now, not when the graph is dropped
-            ctx.store = None
+        store.release()  # this call's references go now (autograd frees the saved ones after backward)
         dsinks = None if dsink is None or sinks is None else dsink.to(sinks.dtype)
         return (
             torch.cat([p.wait() for p in dq_parts], dim=1),

@@ -1,9 +1,11 @@
 """Per-chunk tensor store for FPDT: on the device, or in (pinned) host memory with prefetch.
 
 FPDT keeps, per global segment, the tensors its backward needs (q, k, v, out, lse in head layout).
-With ``offload=False`` they stay on the device and the autograd Function saves them with
-``save_for_backward``. With ``offload=True`` each one is copied to host memory when it is produced
-and fetched back shortly before it is used:
+Either way the autograd Function saves the store's tensors with ``save_for_backward`` (:meth:`ChunkStore.saved`,
+:meth:`ChunkStore.restore`), so whatever owns saved tensors owns them: under activation checkpointing the
+checkpoint drops them after the layer's forward and its recompute rebuilds them, so the host holds ONE
+layer's chunks, not every layer's. With ``offload=False`` they stay on the device. With ``offload=True``
+each one is copied to host memory when it is produced and fetched back shortly before it is used:
 
 * CUDA: device -> pinned host on a side stream (``record_stream`` keeps the source alive until the
   copy ran), host -> device on the same side stream, the consumer's stream waits on an event. The
@@ -17,11 +19,10 @@ and fetched back shortly before it is used:
 caller computes on step ``n`` (a double buffer: at most two steps' fetched tensors are alive when
 the caller drops each step before asking for the next).
 
-``offloaded_bytes()`` is the number of bytes held in host buffers by live stores, a process-wide
-gauge like ``torch.cuda.memory_allocated`` (the memory callback reads it); a store gives its bytes
-back on :meth:`ChunkStore.release` or, as a fallback, when it is garbage-collected (an autograd graph
-dropped without backward). :func:`track_offload_residency` counts fetched copies for tests and
-benchmarks only while it is open.
+``offloaded_bytes()`` is the number of bytes in live host buffers, a process-wide gauge like
+``torch.cuda.memory_allocated`` (the memory callback reads it): each host buffer gives its bytes back
+when it is freed (backward ran, a checkpoint dropped it, a graph was dropped without backward).
+:func:`track_offload_residency` counts fetched copies for tests and benchmarks only while it is open.
 """
 
 from __future__ import annotations
@@ -79,9 +80,8 @@ def track_offload_residency() -> Iterator[OffloadResidency]:
         _OPEN_TRACKERS.remove(tracker)
 
 
-def _give_back(held: list[int]) -> None:
-    _HELD_BYTES[0] -= held[0]
-    held[0] = 0
+def _give_back(nbytes: int) -> None:
+    _HELD_BYTES[0] -= nbytes
 
 
 def _side_stream(device: torch.device) -> Any:
@@ -101,9 +101,6 @@ class ChunkStore:
         self._stream = _side_stream(device) if self._cuda else None
         self._data: dict[Key, torch.Tensor] = {}
         self._pending: dict[Key, tuple[torch.Tensor, Any]] = {}  # prefetched device copy, its ready event
-        self._held = [0]
-        self._finalizer = weakref.finalize(self, _give_back, self._held)
-        self.released = False
 
     # ---- storing ----
     def put(self, key: Key, x: torch.Tensor) -> None:
@@ -122,22 +119,20 @@ class ChunkStore:
             host = x.detach().clone()  # CPU: a plain synchronous copy, same code path
         self._data[key] = host
         nbytes = host.numel() * host.element_size()
-        self._held[0] += nbytes
         _HELD_BYTES[0] += nbytes
+        # the gauge follows the buffer, wherever it ends up (a store, autograd's saved tensors, a checkpoint)
+        weakref.finalize(host, _give_back, nbytes)
 
     def saved(self) -> tuple[list[Key], list[torch.Tensor]]:
-        """Keys and tensors for ``ctx.save_for_backward`` (device mode only)."""
-        if self.offload:
-            raise RuntimeError(
-                "an offloading ChunkStore keeps its own host buffers; attach it to ctx instead"
-            )
+        """Keys and tensors (device tensors, or host buffers with offload) for ``ctx.save_for_backward``."""
         return list(self._data), list(self._data.values())
 
     @classmethod
     def restore(
-        cls, keys: Sequence[Key], tensors: Sequence[torch.Tensor], device: torch.device
+        cls, keys: Sequence[Key], tensors: Sequence[torch.Tensor], *, offload: bool, device: torch.device
     ) -> ChunkStore:
-        store = cls(offload=False, device=device)
+        """The store :meth:`saved` described, again (in backward, from ``ctx.saved_tensors``)."""
+        store = cls(offload=offload, device=device)
         store._data = dict(zip(keys, tensors))
         return store
 
@@ -164,11 +159,6 @@ class ChunkStore:
 
     def get(self, key: Key) -> torch.Tensor:
         """``key`` on the device, ready to use on the current stream."""
-        if self.released:
-            raise RuntimeError(
-                "this FPDT offload store was already released: backward ran once and freed its host buffers "
-                "(backward twice / retain_graph=True is not supported with offload=True; use offload=False)"
-            )
         if not self.offload:
             return self._data[key]
         self.prefetch(key)
@@ -194,8 +184,6 @@ class ChunkStore:
             del got
 
     def release(self) -> None:
-        """Free every buffer now and give the bytes back to the counter (idempotent)."""
+        """Drop this store's references to its buffers now (idempotent); each is freed with its last one."""
         self._data.clear()
         self._pending.clear()
-        self._finalizer()
-        self.released = True

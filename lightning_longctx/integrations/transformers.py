@@ -1,4 +1,4 @@
-"""Swap attention (and, in FPDT mode, the MLP and the loss) of a Hugging Face model in place.
+"""Swap attention (and, in FPDT mode, the MLP, the norms and the loss) of a Hugging Face model in place.
 
 Mechanism: transformers' ``AttentionInterface``. We register one attention function per patched
 model under a fresh key and point the model's config at it. The function receives q ``(b, H, s, d)``
@@ -253,6 +253,30 @@ def _decoder_mlps(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
+def _position_wise_norms(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's norms over the last dimension that take one tensor (every decoder layer's RMSNorm /
+    LayerNorm, q/k norms, the final norm): row-wise, so FPDT tiles them as it tiles the MLP. Tiled, a norm
+    keeps only its input for backward, not its fp32 copies (Hugging Face's RMSNorm keeps the fp32 input and
+    the normalised copy: 6 bytes per element in bf16, 2 when tiled). A norm that takes more (a gate), has
+    submodules or normalises over more than one dimension is left as it is."""
+    norms = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) != 1:
+            continue
+        if not isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and not type(m).__name__.endswith(
+            ("RMSNorm", "LayerNorm")
+        ):
+            continue
+        args = list(inspect.signature(type(m).forward).parameters.values())[1:]
+        one_tensor = len(args) == 1 and args[0].kind in (
+            args[0].POSITIONAL_ONLY,
+            args[0].POSITIONAL_OR_KEYWORD,
+        )
+        if one_tensor and next(m.children(), None) is None and "experts" not in name.split("."):
+            norms[name] = m
+    return norms
+
+
 def _routes_tokens(mlp: nn.Module, model: nn.Module) -> bool:
     """Whether ``mlp`` holds a router whose logits the model records (``output_router_logits``): tiling
     it would record them without autograd. The router class is the one transformers records
@@ -326,8 +350,8 @@ def enable_sequence_parallel(
     """Make a Hugging Face model sequence-parallel over ``group``, in place; returns the model.
 
     ``mode="ulysses"``: Ulysses attention. ``mode="fpdt"``: FPDT attention with ``chunk_size`` tokens
-    per chunk per rank, plus the MLPs tiled along the sequence (``mlp_chunk_size``, default
-    ``chunk_size``) and a chunked lm_head + loss (``loss_chunk_size``, default: 128 MiB fp32 logits blocks,
+    per chunk per rank, plus the MLPs and the norms tiled along the sequence (``mlp_chunk_size``, default
+    ``chunk_size``; a tiled module keeps only its input for backward and recomputes the rest) and a chunked lm_head + loss (``loss_chunk_size``, default: 128 MiB fp32 logits blocks,
     ``chunked_loss.default_loss_chunk_size`` of the vocabulary). ``offload``: FPDT's chunks in host memory.
     Or ``config``: a :class:`~lightning_longctx.config.ResolvedConfig` (what the strategy passes) in place
     of those keywords, which are its thin wrapper.
@@ -405,9 +429,10 @@ def enable_sequence_parallel(
             for name, m in _decoder_mlps(model).items()
             if not is_tiled(m) and not (moe_plan is not None and _routes_tokens(m, model))
         }
-        for mlp in mlps.values():
-            tile_mlp_(mlp, config.settings.mlp_chunk_size or config.settings.fpdt_chunk_size)
-        saved["tiled_mlps"] = list(mlps)
+        norms = {name: m for name, m in _position_wise_norms(model).items() if not is_tiled(m)}
+        for module in (*mlps.values(), *norms.values()):
+            tile_mlp_(module, config.settings.mlp_chunk_size or config.settings.fpdt_chunk_size)
+        saved["tiled_mlps"], saved["tiled_norms"] = list(mlps), list(norms)
         if lm_head is not None:
             model.forward = types.MethodType(_chunked_loss_forward, model)
     elif moe_plan is not None:
@@ -460,8 +485,8 @@ def disable_sequence_parallel(model: nn.Module) -> nn.Module:
             model.__dict__[attr] = saved[name]
     for handle in saved.get("hooks", ()):
         handle.remove()
-    mlps = _decoder_mlps(model)
-    for name in saved.get("tiled_mlps", ()):
-        untile_mlp_(mlps[name])
+    modules = dict(model.named_modules())
+    for name in (*saved.get("tiled_mlps", ()), *saved.get("tiled_norms", ())):
+        untile_mlp_(modules[name])
     _unregister(ctx.key)
     return model
