@@ -32,8 +32,9 @@ class SequenceParallelConfig:
     docstring are derived from this class).
 
     Args:
-        sequence_parallel_size: ranks that share one sequence; ``"auto"`` = all devices of a node.
-            Must divide ``num_nodes * devices``; the rest is data parallelism.
+        sequence_parallel_size: ranks that share one sequence; ``"auto"`` = all devices of a node (divided
+            by ``tensor_parallel_size``). Must divide ``num_nodes * devices / tensor_parallel_size``; the rest
+            is data parallelism.
         fpdt_chunk_size: tokens per FPDT chunk per rank; ``None`` = plain Ulysses. Short sequences use
             one chunk of their local length.
         offload: keep FPDT's cold key/value chunks and saved activations in host memory; ``"auto"`` =
@@ -42,6 +43,10 @@ class SequenceParallelConfig:
         data_parallel: ``"ddp"`` (replicated parameters, DDP all-reduce over dp x sp) or ``"fsdp"``
             (FSDP2 ``fully_shard`` of every transformer block and of each HF model over all dp x sp
             ranks; checkpoints hold full, unsharded state dicts).
+        tensor_parallel_size: ranks that split every layer's weights (the model's Hugging Face TP plan,
+            ``config.base_model_tp_plan``: q/k/v and gate/up column-wise, o/down row-wise), innermost in the
+            mesh; Ulysses / FPDT then act on each rank's heads. Needs ``data_parallel="fsdp"`` (FSDP2 over
+            dp x sp) and heads and kv heads divisible by it.
         cpu_offload: keep the sharded parameters, their gradients and the optimizer states in host memory
             (FSDP2's ``CPUOffloadPolicy``, pinned on CUDA); each block's parameters visit the device for its
             forward and backward only, and the optimizer steps on the CPU. Needs ``data_parallel="fsdp"``
@@ -68,6 +73,7 @@ class SequenceParallelConfig:
     offload: bool | Literal["auto"] = False
     attention_backend: str = "auto"
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
+    tensor_parallel_size: int = 1
     cpu_offload: bool = False
     activation_checkpointing: bool = False
     activation_offload: bool = False
@@ -84,6 +90,9 @@ class SequenceParallelConfig:
             raise ValueError(
                 f"sequence_parallel_size={sp!r}: use 'auto' (all devices of a node) or a positive int"
             )
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size={tp!r}: use a positive int (1: no tensor parallelism)")
         for name in ("fpdt_chunk_size", "mlp_chunk_size", "loss_chunk_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -107,6 +116,11 @@ class SequenceParallelConfig:
                 f"data_parallel={self.data_parallel!r} is unknown; use 'ddp' (replicated parameters) or 'fsdp' "
                 "(FSDP2 fully_shard per transformer block over all dp x sp ranks)"
             )
+        if tp > 1 and self.data_parallel != "fsdp":
+            raise ValueError(
+                f"tensor_parallel_size={tp} with data_parallel={self.data_parallel!r}: DDP cannot wrap the DTensor "
+                "weights tensor parallelism makes; set data_parallel='fsdp' (FSDP2 over data x sequence parallel)"
+            )
         if self.cpu_offload and self.data_parallel != "fsdp":
             raise ValueError(
                 f"cpu_offload=True with data_parallel={self.data_parallel!r}: the parameters, gradients and "
@@ -121,10 +135,10 @@ class SequenceParallelConfig:
         """What these settings mean on ``world_size`` ranks with ``devices_per_node`` devices per node (0:
         unknown) of ``device_type``: ``"auto"`` settled, the dp x sp layout built and checked. Every consumer
         (the strategy, the model patching, the planner, the CLI) takes the result, so nothing is resolved twice."""
-        sp = self.sequence_parallel_size
+        sp, tp = self.sequence_parallel_size, self.tensor_parallel_size
         if sp == "auto":
-            sp = devices_per_node or world_size
-        layout = ParallelLayout(world_size=world_size, sp=sp, devices_per_node=devices_per_node)
+            sp = max(1, (devices_per_node or world_size) // tp)
+        layout = ParallelLayout(world_size=world_size, sp=sp, tp=tp, devices_per_node=devices_per_node)
         offload = (
             device_type == "cuda" and self.fpdt_chunk_size is not None
             if self.offload == "auto"
@@ -163,6 +177,10 @@ class ResolvedConfig:
     @property
     def dp(self) -> int:
         return self.layout.dp
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
 
     def chunk_for(self, seq_len: int) -> int | None:
         """Tokens per FPDT chunk per rank for a global sequence of ``seq_len`` tokens (``None``: Ulysses)."""

@@ -39,7 +39,7 @@ def _fsdp2() -> Any:
     return fsdp
 
 
-def _outermost_models(model: nn.Module) -> list[nn.Module]:
+def outermost_models(model: nn.Module) -> list[nn.Module]:
     from transformers import PreTrainedModel
 
     roots = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
@@ -49,7 +49,7 @@ def _outermost_models(model: nn.Module) -> list[nn.Module]:
 def move_all_but_models(module: nn.Module, device: torch.device) -> None:
     """Move ``module`` to ``device`` except its transformers models, which stay where they are (on the host
     under ``cpu_offload``: ``fully_shard`` moves them one block at a time and shards them back to the host)."""
-    roots = _outermost_models(module)
+    roots = outermost_models(module)
     if any(module is r for r in roots):
         return
     if not roots:
@@ -67,11 +67,18 @@ class FSDP2Sharding:
     ``cpu_offload``: parameters, gradients and optimizer states in host memory (pinned when the mesh is on
     CUDA)."""
 
-    def __init__(self, device_type: str, world_size: int, *, cpu_offload: bool = False) -> None:
+    def __init__(self, device_type: str, world_size: int, *, cpu_offload: bool = False, tp: int = 1) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         fsdp = _fsdp2()
-        self.mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp_sp",))
+        #: with tensor parallelism one (dp x sp, tp) mesh: FSDP shards over its first axis, TP splits over its
+        #: second (FSDP2 composes with TP's DTensors on a common root mesh); tp innermost, as the strategy's mesh
+        self.tp_mesh: Any = None
+        if tp > 1:
+            root = init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp_sp", "tp"))
+            self.mesh, self.tp_mesh = root["dp_sp"], root["tp"]
+        else:
+            self.mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp_sp",))
         # pinned host memory needs CUDA; on the CPU the same FSDP2 offload path runs unpinned
         self.offload_policy = (
             fsdp.CPUOffloadPolicy(pin_memory=device_type == "cuda") if cpu_offload else fsdp.OffloadPolicy()
@@ -82,7 +89,7 @@ class FSDP2Sharding:
         ``PreTrainedModel``; parameters outside them are refused (they would stay unsynchronised).
         ``param_dtype``: compute in it over the fp32 sharded parameters, reduce gradients in fp32 (FSDP2's
         ``MixedPrecisionPolicy``); ``None``: compute in the parameters' dtype."""
-        roots = _outermost_models(model)
+        roots = outermost_models(model)
         covered = {id(p) for r in roots for p in r.parameters()}
         stray = [n for n, p in model.named_parameters() if id(p) not in covered]
         if not roots or stray:

@@ -1293,6 +1293,11 @@ def parallel_kwargs(parallel: ResolvedConfig) -> dict[str, Any]:
     (``SequenceParallelConfig(...).resolve(...)``): the one mapping from the strategy's settings to the
     plan, so ``plan_memory(model_config, seq_len=N, **parallel_kwargs(cfg))`` plans what the strategy runs."""
     given = parallel.settings
+    if parallel.tp > 1:
+        raise ValueError(
+            f"tensor_parallel_size={parallel.tp}: the memory planner does not model tensor parallelism yet; plan "
+            "with tensor_parallel_size=1 for an upper bound of the per-rank bytes"
+        )
     return {
         "sequence_parallel_size": parallel.sp,
         "data_parallel_size": parallel.dp,

@@ -206,8 +206,20 @@ class UlyssesFPDTStrategy(DDPStrategy):
         return self.layout.dp
 
     @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
     def sp_rank(self) -> int:
         return self.layout.sp_rank(self.global_rank)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.tp_rank(self.global_rank)
+
+    @property
+    def tp_group(self) -> Any:
+        return self.device_mesh["tensor_parallel"].get_group()
 
     @property
     def dp_rank(self) -> int:
@@ -238,11 +250,12 @@ class UlyssesFPDTStrategy(DDPStrategy):
         self._mesh = build_device_mesh(layout, self.root_device.type)
         if cfg.settings.data_parallel == "fsdp":
             self._fsdp = FSDP2Sharding(
-                self.root_device.type, self.world_size, cpu_offload=cfg.settings.cpu_offload
+                self.root_device.type, self.world_size, cpu_offload=cfg.settings.cpu_offload, tp=layout.tp
             )
         if cfg.settings.loss_normalization == "tokens":
+            # the gradient reduction averages over the dp x sp replicas (TP peers hold the same loss)
             self._token_mean = TokenMeanWindow(
-                world_size=self.world_size, dp_size=layout.dp, ignore_index=cfg.settings.ignore_index
+                world_size=layout.replicas, dp_size=layout.dp, ignore_index=cfg.settings.ignore_index
             )
         rank_zero_info(f"UlyssesFPDTStrategy: {cfg}")
 
@@ -280,6 +293,13 @@ class UlyssesFPDTStrategy(DDPStrategy):
             )
         self._precision = precision
         self._fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.layout.tp > 1:  # gradient clipping by norm over the gradients of both meshes (TP, dp x sp)
+            from lightning_longctx.tensor_parallel import clip_grad_norm_
+
+            plugin = self.precision_plugin
+            plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(
+                plugin.main_params(optimizer), clip_val
+            )
         self._patch_models()
         super().setup(trainer)
 
@@ -332,6 +352,12 @@ class UlyssesFPDTStrategy(DDPStrategy):
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if self._fsdp is None:
             return super()._setup_model(model)
+        if self._fsdp.tp_mesh is not None:  # TP first, FSDP2 over dp x sp on the same root mesh next
+            from lightning_longctx.fsdp import outermost_models
+            from lightning_longctx.tensor_parallel import apply_tp_plan
+
+            for root in outermost_models(model):
+                apply_tp_plan(root, self._fsdp.tp_mesh, tp=self.layout.tp)
         # bf16-mixed / 16-mixed: FSDP2 computes in the low dtype over fp32 master weights (Lightning's
         # autocast stays on: harmless over low-precision parameters, and it keeps its fp32 ops in fp32)
         return self._fsdp.shard(model, param_dtype=MIXED_PRECISION_DTYPES.get(self._precision))
@@ -406,12 +432,14 @@ class UlyssesFPDTStrategy(DDPStrategy):
                 f"batch input_ids shapes differ across ranks: {shapes}. All ranks must use the same batch size "
                 "and sequence length (pad or pack to a fixed length in the dataset/collate_fn)"
             )
-        sp = self.sp_size
-        for start in range(0, len(everyone), sp):
-            digests = {everyone[r][1] for r in range(start, start + sp)}
+        share = (
+            self.sp_size * self.tp_size
+        )  # the consecutive ranks of one dp index (sp x tp) share a sequence
+        for start in range(0, len(everyone), share):
+            digests = {everyone[r][1] for r in range(start, start + share)}
             if len(digests) > 1:
                 raise RuntimeError(
-                    f"ranks {list(range(start, start + sp))} form one sequence-parallel group but received different "
+                    f"ranks {list(range(start, start + share))} share one sequence (sequence x tensor parallel) but received different "
                     "samples; the training sampler must span data-parallel ranks only. Do not pass your own "
                     "DistributedSampler (let Lightning add it: use_distributed_sampler=True)"
                 )
@@ -475,7 +503,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
                 closure_loss, self.lightning_module.trainer.accumulate_grad_batches
             )
         else:
-            # DDP averages over dp*sp ranks; SP ranks hold partial gradients that must be summed: x sp.
+            # DDP / FSDP average over the dp*sp replicas; SP ranks hold partial gradients that must be summed: x sp.
             loss = closure_loss * self.sp_size
         return super().backward(loss, optimizer, *args, **kwargs)
 

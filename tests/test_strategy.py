@@ -403,7 +403,9 @@ def test_unknown_and_ignored_settings_are_refused():
         TypeError, match="unknown setting 'activation_ofload'; did you mean 'activation_offload'"
     ):
         UlyssesFPDTStrategy(data_parallel="fsdp", activation_ofload=True)
-    with pytest.raises(TypeError, match="unknown setting 'tensor_parallel_size'"):
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=2 with data_parallel='ddp'.*data_parallel='fsdp'"
+    ):
         UlyssesFPDTStrategy(tensor_parallel_size=2)
     with pytest.raises(TypeError, match=r"find_unused_parameters=True configures DDP.*data_parallel='fsdp'"):
         UlyssesFPDTStrategy(data_parallel="fsdp", find_unused_parameters=True)

@@ -4,11 +4,12 @@ Token counting. Under sequence parallelism (SP) the ``sp`` ranks of an SP group 
 the SAME sample: each rank's batch has ``input_ids`` of shape ``(b, N/sp)``. So
 
     tokens of one SP group  = local_numel × sp
-    global tokens per step  = local_numel × sp × dp = local_numel × world_size
+    global tokens per step  = local_numel × sp × dp = local_numel × world_size / tp
     global sequence length  = local_seq_len × sp      (what the attention term sees)
 
 Counting samples per rank and multiplying by the world size, as Lightning's ``ThroughputMonitor``
-does, overcounts by ``sp``; counting tokens does not. ``perf/tokens_per_sec`` is global,
+does, overcounts by ``sp``; counting tokens does not. Tensor-parallel peers (``strategy.tp_size``) hold the
+same slice: the ranks that count are ``world_size / tp``. ``perf/tokens_per_sec`` is global,
 ``perf/tokens_per_sec_per_device`` = global / world_size. All positions of ``input_ids`` count,
 padding included (the devices compute on them). The strategy is read by duck typing
 (``strategy.sp_size``); any other strategy is taken as ``sp = 1``.
@@ -222,7 +223,8 @@ class MFUMonitor(L.Callback):
         if self._batches_seen <= self.warmup_steps or seconds <= 0.0:
             return
         sp_size = int(getattr(trainer.strategy, "sp_size", 1))
-        counted = count_tokens(batch, world_size=trainer.world_size, sp_size=sp_size)
+        tp_size = int(getattr(trainer.strategy, "tp_size", 1))  # TP peers hold the same tokens
+        counted = count_tokens(batch, world_size=trainer.world_size // tp_size, sp_size=sp_size)
         if counted is None:
             if not self._warned_no_tokens:
                 rank_zero_warn("MFUMonitor: no `input_ids` tensor in the batch; nothing is logged.")

@@ -1,0 +1,134 @@
+"""Tensor parallelism x sequence parallelism x FSDP2 (``tensor_parallel_size``): real Trainer runs on gloo
+against one process, every parameter (full tensors gathered), and the refusals."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch.distributed as dist
+from hf_models import HFModule, TokenDataset, reference_training, tiny_model
+from test_strategy import SEQ, _env_for_lightning
+
+from lightning_longctx import UlyssesFPDTStrategy
+from lightning_longctx.mesh import ParallelLayout
+
+STEPS = 2
+
+
+def _fit(arch, sp, tp, strategy_kwargs, model_kwargs, clip=None):
+    _env_for_lightning()
+    world = dist.get_world_size()
+    dp = world // (sp * tp)
+    module = HFModule(tiny_model(arch, **model_kwargs), dataset=TokenDataset(dp * STEPS, SEQ))
+    strategy = UlyssesFPDTStrategy(
+        sequence_parallel_size=sp, tensor_parallel_size=tp, data_parallel="fsdp", **strategy_kwargs
+    )
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS, logger=False,
+                        gradient_clip_val=clip,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module)
+    w = module.model.model.layers[0].self_attn.q_proj.weight  # FSDP2 over dp x sp, TP over tp: a 2-D DTensor
+    sharded = type(w).__name__, w.device_mesh.mesh_dim_names, [str(p) for p in w.placements]
+    state = {k.removeprefix("model."): v for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    return (
+        state,
+        module.losses,
+        (trainer.strategy.tp_size, trainer.strategy.sp_size, trainer.strategy.dp_size),
+        sharded,
+    )
+
+
+CASES = {
+    # name: (arch, world, sp, tp, strategy kwargs, model kwargs[, gradient clip])
+    "llama_tp2_sp2": ("llama", 4, 2, 2, {}, {}),
+    "llama_dp2_tp2": ("llama", 4, 1, 2, {}, {}),
+    "llama_tp2_sp2_clip": ("llama", 4, 2, 2, {}, {}, 0.05),  # the norm of DTensor gradients on two meshes
+    "llama_dp2_sp2_tp2": ("llama", 8, 2, 2, {"fpdt_chunk_size": 3}, {}),
+    "qwen3_tp2_sp2_qk_norm": ("qwen3", 4, 2, 2, {}, {}),
+    "qwen3_tp2_sp2_fpdt_tiled_qk_norm": ("qwen3", 4, 2, 2, {"fpdt_chunk_size": 4}, {}),
+    "llama_tp2_sp2_fpdt_offloads": (
+        "llama",
+        4,
+        2,
+        2,
+        {"fpdt_chunk_size": 4, "offload": True, "activation_offload": True, "cpu_offload": True},
+        {},
+    ),
+    "mistral_tp2_sp2_window": ("mistral", 4, 2, 2, {}, {"sliding_window": 8}),
+    "qwen2_tp2_sp2_fpdt_biases": ("qwen2", 4, 2, 2, {"fpdt_chunk_size": 4}, {}),
+    "llama_tp2_sp2_fpdt_checkpointing": (
+        "llama",
+        4,
+        2,
+        2,
+        {"fpdt_chunk_size": 3, "activation_checkpointing": True},
+        {},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tensor_parallel_matches_one_process(dist_pool, name):
+    arch, world, sp, tp, skw, mkw, *clip = CASES[name]
+    clip = clip[0] if clip else None
+    dp = world // (sp * tp)
+    results = dist_pool(world).run(_fit, arch, sp, tp, skw, mkw, clip)
+    ref = tiny_model(arch, **mkw)
+    init = tiny_model(arch, **mkw).state_dict()
+    data = TokenDataset(dp * STEPS, SEQ)
+    ref_losses = reference_training(ref, data, dp=dp, batch_size=1, steps=STEPS, clip=clip)
+    state, losses, sizes, sharded = results[0]
+    assert sizes == (tp, sp, dp)
+    # q_proj's rows split over the TP group (column-wise), then sharded by FSDP2 over dp x sp
+    assert sharded[0] == "DTensor" and sharded[1] == ("dp_sp", "tp") and sharded[2][1] == "S(0)", sharded
+    worst = 0.0
+    for key, want in ref.state_dict().items():
+        moved = (want - init[key]).abs().max().item()
+        err = (state[key] - want).abs().max().item() / max(want.abs().max().item(), 1e-12)
+        assert moved > 0 or "bias" in key, f"{key} never changed: the test would prove nothing"
+        assert err < 1e-5, f"{key}: relative error {err:.2e}"
+        worst = max(worst, err)
+    if dp == 1:
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
+
+
+def test_layout_puts_tp_innermost_and_sp_next():
+    lay = ParallelLayout(world_size=8, sp=2, tp=2)
+    assert lay.dp == 2 and lay.replicas == 4
+    assert [lay.tp_rank(r) for r in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert [lay.sp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [lay.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the world size 8"):
+        ParallelLayout(world_size=8, sp=1, tp=3)
+    with pytest.raises(
+        ValueError, match="sequence_parallel_size=3 must divide the world size 8 / tensor_parallel"
+    ):
+        ParallelLayout(world_size=8, sp=3, tp=2)
+
+
+def test_refusals_name_the_rule():
+    from lightning_longctx.tensor_parallel import check_tp
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 with data_parallel='ddp'"):
+        UlyssesFPDTStrategy(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=0"):
+        UlyssesFPDTStrategy(tensor_parallel_size=0, data_parallel="fsdp")
+    model = tiny_model("llama")  # 4 heads, 2 kv heads
+    assert check_tp(model, 2)["layers.0.self_attn.q_proj.weight"] == "colwise"
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=4 must divide .* attention heads \(4\) and key/value heads \(2\)",
+    ):
+        check_tp(model, 4)
+    model.config.base_model_tp_plan = None
+    with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
+        check_tp(model, 2)
+
+
+def test_the_planner_refuses_tensor_parallelism():
+    from lightning_longctx.config import SequenceParallelConfig
+    from lightning_longctx.planner import parallel_kwargs
+
+    cfg = SequenceParallelConfig(tensor_parallel_size=2, data_parallel="fsdp", sequence_parallel_size=2)
+    with pytest.raises(ValueError, match="does not model tensor parallelism yet"):
+        parallel_kwargs(cfg.resolve(world_size=8, devices_per_node=8, device_type="cuda"))
