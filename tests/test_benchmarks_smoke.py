@@ -159,3 +159,16 @@ def test_bench_frontier(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert [r["fits"] for r in data["rows"]] == ["yes", "yes", "NO", "yes", "yes", "yes"]
     assert all(r["fits"] == "yes" for r in data["configs"])
+
+
+def test_bench_tp_bytes_are_the_formula(tmp_path: Path) -> None:
+    """Tensor x sequence parallelism at world 4: each rank's all-to-all bytes equal the formula with t (the
+    TP-local heads: 1/t of the bytes at a given sp)."""
+    out = tmp_path / "tp.json"
+    _run_script(
+        ["benchmarks/bench_tp.py", "--seq-len", "256", "--repeats", "1", "--out", str(out)], timeout=240
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["sp"], r["tp"]) for r in rows] == [(4, 1), (2, 2), (1, 4)]
+    assert all(r["status"] == "ok" and r["bytes_sent_per_rank"] == r["formula_bytes"] for r in rows)
+    assert rows[1]["bytes_sent_per_rank"] > 0 and rows[2]["bytes_sent_per_rank"] == 0
