@@ -123,6 +123,19 @@ def test_refusals_name_the_rule():
     model.config.base_model_tp_plan = None
     with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
         check_tp(model, 2)
+    model.config.base_model_tp_plan = {
+        "layers.*.mlp": "moe_tp_experts",
+        "layers.*.self_attn.q_proj": "colwise",
+    }
+    with pytest.raises(
+        ValueError, match=r"plan uses \['moe_tp_experts'\], which this package has not checked"
+    ):
+        check_tp(model, 2)
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match="LoRA under tensor parallelism is not supported yet"):
+        check_tp(lora.base_model.model, 2)
 
 
 def test_the_planner_refuses_tensor_parallelism():
