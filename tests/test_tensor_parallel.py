@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
+import torch
 import torch.distributed as dist
 from hf_models import HFModule, TokenDataset, reference_training, tiny_model
 from test_strategy import SEQ, _env_for_lightning
@@ -145,3 +146,31 @@ def test_the_planner_refuses_tensor_parallelism():
     cfg = SequenceParallelConfig(tensor_parallel_size=2, data_parallel="fsdp", sequence_parallel_size=2)
     with pytest.raises(ValueError, match="does not model tensor parallelism yet"):
         parallel_kwargs(cfg.resolve(world_size=8, devices_per_node=8, device_type="cuda"))
+
+
+def _round_trip() -> dict:
+    """Train at tp 2 x sp 2, then load a plain (one-device) full state dict back into the TP + FSDP2 model
+    through the strategy, and read it out again: the checkpoint format is the plain Hugging Face one."""
+    _env_for_lightning()
+    module = HFModule(tiny_model("llama"), dataset=TokenDataset(1, SEQ))
+    strategy = UlyssesFPDTStrategy(sequence_parallel_size=2, tensor_parallel_size=2, data_parallel="fsdp")
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module)
+    saved = trainer.strategy.lightning_module_state_dict()  # full, on rank 0
+    other = {f"model.{k}": v for k, v in tiny_model("llama", seed=1).state_dict().items()}  # one device's
+    want = {k: v.clone() for k, v in other.items()}  # torch's loader may turn the dict's values into shards
+    trainer.strategy.load_model_state_dict({"state_dict": other}, strict=True)
+    back = trainer.strategy.lightning_module_state_dict()
+    return {"saved_keys": sorted(saved), "back": back, "other": want}
+
+
+def test_a_plain_checkpoint_loads_into_the_tp_model_and_back(dist_pool):
+    res = dist_pool(4).run(_round_trip)[0]
+    plain = tiny_model("llama")
+    assert res["saved_keys"] == sorted(
+        f"model.{k}" for k in plain.state_dict()
+    )  # loads into one device's model
+    assert res["back"].keys() == res["other"].keys()
+    for key, want in res["other"].items():
+        assert torch.equal(res["back"][key], want), key
