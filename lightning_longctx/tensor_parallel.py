@@ -106,25 +106,18 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
     Returns the total norm."""
     import torch
 
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
         return torch.tensor(0.0)
-    groups: dict[Any, list[Any]] = {}
-    for g in grads:
-        groups.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    groups: dict[Any, list[Any]] = {}  # the parameters by their gradient's mesh
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     norms = []
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     norms = [n.to(norms[0].device) for n in norms]
     total = torch.stack(norms).max() if norm_type == float("inf") else torch.stack(norms).norm(norm_type)
     for group in groups.values():
-        torch.nn.utils.clip_grads_with_norm_([_Holder(g) for g in group], max_norm, total)
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
-
-
-class _Holder:
-    """What ``clip_grads_with_norm_`` reads of a parameter: its ``.grad``."""
-
-    def __init__(self, grad: Any) -> None:
-        self.grad = grad

@@ -124,16 +124,18 @@ def reference_training(
     accumulate: int = 1,
     lr: float = 0.5,
     clip: float | None = None,
+    optimizer=None,
 ):
     """Single-process SGD on the same global batches, in the order Lightning's DistributedSampler gives
     them (``num_replicas=dp``, shuffled with seed 0: Lightning always shuffles the training set under a
-    distributed sampler); the dp ranks' means are averaged, as DDP does. One epoch at most."""
+    distributed sampler); the dp ranks' means are averaged, as DDP does. One epoch at most. ``optimizer``: a
+    function of the parameters (default: SGD at ``lr``)."""
     from torch.utils.data import DistributedSampler
 
     orders = [
         list(DistributedSampler(dataset, num_replicas=dp, rank=j, shuffle=True, seed=0)) for j in range(dp)
     ]
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = (optimizer or (lambda params: torch.optim.SGD(params, lr=lr)))(model.parameters())
     losses = []
     for step in range(steps):
         opt.zero_grad()

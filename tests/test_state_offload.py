@@ -18,7 +18,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from hf_models import HFModule, TokenDataset, tiny_model
+from hf_models import HFModule, TokenDataset, reference_training, tiny_model
 from test_lora import MODES, _errors, _SeenPatched, lora_model
 from test_strategy import SEQ, _env_for_lightning
 
@@ -124,26 +124,15 @@ def _with_and_without_offload(sp, strategy_kwargs):
 
 def _reference_adamw(world, sp, dtype=torch.float32, steps=STEPS):
     """One process, the same global batches in Lightning's sampler order, AdamW: (state dict, losses)."""
-    from torch.utils.data import DistributedSampler
-
-    dp = world // sp
     model = tiny_model("llama").to(dtype)
-    data = TokenDataset(dp * steps, SEQ)
-    orders = [
-        list(DistributedSampler(data, num_replicas=dp, rank=j, shuffle=True, seed=0)) for j in range(dp)
-    ]
-    opt = torch.optim.AdamW(model.parameters(), lr=ADAM_LR)
-    losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        total = 0.0
-        for j in range(dp):
-            batch = {k: data[orders[j][step]][k][None] for k in ("input_ids", "labels")}
-            loss = model(**batch).loss / dp
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        opt.step()
+    losses = reference_training(
+        model,
+        TokenDataset(world // sp * steps, SEQ),
+        dp=world // sp,
+        batch_size=1,
+        steps=steps,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=ADAM_LR),
+    )
     return {k: v.double() for k, v in model.state_dict().items()}, losses
 
 
