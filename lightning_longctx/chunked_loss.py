@@ -9,6 +9,14 @@ one fp32 ``(vocab, hidden)`` buffer. The default chunk keeps that block at :data
 (:func:`default_loss_chunk_size`). The result has the global-mean semantics of
 :func:`lightning_longctx.sequence_parallel_cross_entropy` over the sequence-parallel group.
 
+Vocabulary parallel (``vocab_group``, tensor parallelism): each rank of the group holds an equal, contiguous
+block of the vocabulary's rows of the weight (rank order) and only ever builds ``(chunk_size, vocab / t)``
+logits. Forward keeps each token's local log-sum-exp and, on the rank owning its target, the target logit;
+one all-gather of the ``(tokens,)`` log-sum-exps and one all-reduce of the target logits make them global.
+Backward computes the local softmax block against the global log-sum-exp; the hidden-state gradient is
+partial over the group (each rank's vocabulary rows) and one all-reduce of it completes it. The weight and
+bias gradients are the rank's own rows, exact.
+
 Matmul dtype: the autocast dtype when autocast is on at the call (Lightning ``bf16-mixed``), else the
 inputs' dtype; logits are upcast to fp32 (fp64 for fp64 inputs) before the softmax, as HF does.
 """
@@ -19,9 +27,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_longctx.comm import Group, all_reduce_sum_identity_grad
+from lightning_longctx.comm import (
+    Group,
+    all_gather_no_grad,
+    all_reduce_no_grad,
+    all_reduce_sum_identity_grad,
+    group_rank_size,
+)
 from lightning_longctx.loss import global_valid_count
 from lightning_longctx.sharding import IGNORE_INDEX
 
@@ -44,6 +59,9 @@ class _Config:
     softcap: float | None
     mm_dtype: torch.dtype  # dtype of the lm_head matmuls
     ct: torch.dtype  # dtype of the softmax / loss
+    vocab_group: Group = None  # vocabulary parallel: the group whose ranks hold the vocabulary's row blocks
+    vocab_start: int = 0  # the first vocabulary row of this rank's weight block
+    vocab_parallel: bool = False
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: _Config) -> torch.Tensor:
@@ -67,6 +85,15 @@ def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if x is None else x.to(dtype)
 
 
+def _targets(y: torch.Tensor, rows: int, cfg: _Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(valid, owned, local index)`` of targets ``y``: ``owned`` are the valid targets among this rank's
+    ``rows`` vocabulary rows (all valid ones without vocabulary parallelism); the index never points outside."""
+    valid = y != cfg.ignore_index
+    local = y - cfg.vocab_start
+    owned = valid & (local >= 0) & (local < rows) if cfg.vocab_parallel else valid
+    return valid, owned, torch.where(owned, local, 0)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Sum over valid tokens of ``CE(hidden @ weight.T + bias, labels)``; hidden ``(T, H)``, labels ``(T,)``."""
 
@@ -80,19 +107,20 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         cfg: _Config,
     ) -> torch.Tensor:
         w, b = weight.to(cfg.mm_dtype), _cast(bias, cfg.mm_dtype)
-        total = torch.zeros((), dtype=cfg.ct, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=cfg.ct, device=hidden.device)
+        target = torch.zeros(hidden.shape[0], dtype=cfg.ct, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, hidden.shape[0], cfg.chunk_size):
                 sl = slice(s, s + cfg.chunk_size)
-                z = _logits(hidden[sl], w, b, cfg)  # (c, V): the only logits alive
-                y = labels[sl]
-                valid = y != cfg.ignore_index
-                target = z.gather(1, torch.where(valid, y, 0)[:, None])[:, 0]  # ignore_index never indexes
-                lse_c = _logsumexp_(z)
+                z = _logits(hidden[sl], w, b, cfg)  # (c, V) or (c, V / t): the only logits alive
+                _, owned, index = _targets(labels[sl], w.shape[0], cfg)
+                target[sl] = torch.where(owned, z.gather(1, index[:, None])[:, 0], 0.0)
+                lse[sl] = _logsumexp_(z)
                 del z
-                total = total + torch.where(valid, lse_c - target, 0.0).sum()
-                lse[sl] = lse_c
+        if cfg.vocab_parallel:  # the log-sum-exp over every rank's vocabulary rows; the owner's target logit
+            lse = torch.logsumexp(all_gather_no_grad(lse[None], cfg.vocab_group), dim=0)
+            target = all_reduce_no_grad(target, cfg.vocab_group)
+        total = torch.where(labels != cfg.ignore_index, lse - target, 0.0).sum()
         ctx.cfg = cfg
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         return total
@@ -103,7 +131,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         cfg: _Config = ctx.cfg
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         w, b = weight.to(cfg.mm_dtype), _cast(bias, cfg.mm_dtype)
-        grad_h = torch.empty_like(hidden) if need_h else None
+        # vocabulary parallel: each rank's contribution to the hidden-state gradient is partial, summed in fp32
+        h_dtype = torch.promote_types(hidden.dtype, torch.float32) if cfg.vocab_parallel else hidden.dtype
+        grad_h = torch.empty(hidden.shape, dtype=h_dtype, device=hidden.device) if need_h else None
         # fp32 accumulators: chunk contributions are summed without rounding to a low-precision dtype
         acc_dtype = torch.promote_types(weight.dtype, torch.float32)
         grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
@@ -113,16 +143,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 sl = slice(s, s + cfg.chunk_size)
                 h = hidden[sl].to(cfg.mm_dtype)
                 z = _logits(h, w, b, cfg)  # recompute (c, V)
-                y = labels[sl]
-                valid = y != cfg.ignore_index
+                valid, owned, index = _targets(labels[sl], w.shape[0], cfg)
                 if cfg.softcap:  # z = cap * tanh(x / cap)  ->  dz/dx = 1 - (z / cap)^2, kept in z's block
                     g = (z - lse[sl, None]).exp_()
                     dcap = z.div_(cfg.softcap).square_().neg_().add_(1)
                 else:
                     g, dcap = z.sub_(lse[sl, None]).exp_(), None  # softmax, in z's block
                 del z
-                neg_onehot = -valid.to(cfg.ct)[:, None]  # -1 at valid targets
-                g.scatter_add_(1, torch.where(valid, y, 0)[:, None], neg_onehot)  # softmax - onehot
+                neg_onehot = -owned.to(cfg.ct)[:, None]  # -1 at valid targets (this rank's rows)
+                g.scatter_add_(1, index[:, None], neg_onehot)  # softmax - onehot
                 g.mul_(torch.where(valid, grad, 0.0)[:, None])  # ignored tokens: exactly 0
                 if dcap is not None:
                     g.mul_(dcap)
@@ -131,7 +160,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     g.mul_(cfg.logit_scale)
                 g_mm = g.to(cfg.mm_dtype)  # no copy in fp32
                 if need_h:
-                    grad_h[sl] = (g_mm @ w).to(hidden.dtype)
+                    grad_h[sl] = (g_mm @ w).to(h_dtype)
                 if need_w:
                     if g_mm.dtype == grad_w.dtype:
                         grad_w.addmm_(g_mm.t(), h)  # no (V, H) temporary
@@ -140,8 +169,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if need_b:
                     grad_b.add_(g.sum(0))
                 del g, g_mm  # before the next chunk's block exists
+        if need_h and cfg.vocab_parallel:
+            dist.all_reduce(grad_h, group=cfg.vocab_group)
         return (
-            grad_h,
+            None if grad_h is None else grad_h.to(hidden.dtype),
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
             None,
@@ -160,6 +191,7 @@ def chunked_lm_head_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     logit_scale: float | None = None,
     softcap: float | None = None,
+    vocab_group: Group = None,
 ) -> torch.Tensor:
     """Global-mean cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits.
 
@@ -172,6 +204,10 @@ def chunked_lm_head_cross_entropy(
             soft-cap). ``None``: :func:`default_loss_chunk_size` of ``V``.
         logit_scale: multiply the logits (Cohere's ``logit_scale``). softcap: ``cap * tanh(z / cap)``
             (Gemma-2's ``final_logit_softcapping``), applied after the scale.
+        vocab_group: vocabulary parallel (a tensor-parallel ``lm_head``): ``weight`` (and ``bias``) are this
+            rank's block of ``V / t`` vocabulary rows, rank ``r`` of the group holding rows ``[r V/t, (r+1) V/t)``;
+            every rank of the group passes the same ``hidden`` and labels. The loss and the hidden-state
+            gradient are the full vocabulary's; the weight gradient is this block's. ``None``: full weight.
 
     Returns a 0-dim fp32 tensor (fp64 for fp64 inputs), equal on all ranks of ``group``, identical in
     value and gradient to ``sequence_parallel_cross_entropy(logits, shift_labels)``: the local sum
@@ -198,6 +234,7 @@ def chunked_lm_head_cross_entropy(
         mm_dtype = torch.get_autocast_dtype(device_type)
     else:
         mm_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    vocab_rank, vocab_ranks = group_rank_size(vocab_group) if vocab_group is not None else (0, 1)
     cfg = _Config(
         chunk_size=chunk_size,
         ignore_index=ignore_index,
@@ -205,6 +242,9 @@ def chunked_lm_head_cross_entropy(
         softcap=None if not softcap else float(softcap),
         mm_dtype=mm_dtype,
         ct=torch.promote_types(mm_dtype, torch.float32),
+        vocab_group=vocab_group,
+        vocab_start=vocab_rank * weight.shape[0],
+        vocab_parallel=vocab_ranks > 1,
     )
     local_sum = _ChunkedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, shift_labels.reshape(-1), cfg

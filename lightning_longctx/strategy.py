@@ -357,7 +357,9 @@ class UlyssesFPDTStrategy(DDPStrategy):
             from lightning_longctx.tensor_parallel import apply_tp_plan
 
             for root in outermost_models(model):
-                apply_tp_plan(root, self._fsdp.tp_mesh, tp=self.layout.tp)
+                apply_tp_plan(
+                    root, self._fsdp.tp_mesh, tp=self.layout.tp, vocab_parallel=self.config.mode == "fpdt"
+                )
         # bf16-mixed / 16-mixed: FSDP2 computes in the low dtype over fp32 master weights (Lightning's
         # autocast stays on: harmless over low-precision parameters, and it keeps its fp32 ops in fp32)
         return self._fsdp.shard(model, param_dtype=MIXED_PRECISION_DTYPES.get(self._precision))

@@ -5,8 +5,12 @@ the base model, e.g. ``"layers.*.self_attn.q_proj": "colwise"``, ``"layers.*.sel
 "replicated_with_grad_allreduce"``); transformers' public ``apply_tensor_parallelism`` applies a plan of
 concrete names on any 1-D mesh (its ``from_pretrained(device_mesh=...)`` builds its own mesh and ignores
 ours). :func:`apply_tp_plan` expands the patterns to the base model's modules and their parameters and
-applies it on the strategy's tp sub-mesh. The lm_head and the embedding stay replicated (the chunked loss
-and the vocabulary need full rows; their gradients are equal on every TP rank).
+applies it on the strategy's tp sub-mesh. The embedding stays replicated (its gradients are equal on every
+TP rank). In FPDT mode an untied ``lm_head`` whose vocabulary divides by ``tp`` is split over the vocabulary
+(:func:`vocab_parallel_head`: Hugging Face's ``colwise_gather_output``, so a call of the module itself still
+returns full logits) and the chunked loss runs vocabulary parallel on this rank's rows (:func:`local_head`):
+no rank ever holds a ``(chunk, vocab)`` block or the whole head. Under Ulysses, or tied to the embedding, the
+lm_head stays replicated (the model's own logits are full).
 
 After it, q/k/v hold ``heads / tp`` and ``kv_heads / tp`` heads per rank; the attention function receives
 those TP-local heads and Ulysses / FPDT split them further over the sp group (each rank ``heads / (tp *
@@ -21,8 +25,9 @@ from typing import Any
 
 from torch import nn
 
-#: the plan styles checked exact against one process (tests/test_tensor_parallel.py): Llama, Qwen2, Qwen3, Mistral
-TESTED_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+#: the plan styles checked exact against one process (tests/test_tensor_parallel.py): Llama, Qwen2, Qwen3, Mistral,
+#: Mixtral (experts: the packed gate/up column-wise, down row-wise, their sum all-reduced)
+TESTED_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "packed_colwise", "moe_tp_experts")
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -35,12 +40,50 @@ def tp_plan_of(model: nn.Module) -> dict[str, str]:
     plan = getattr(_text_config(model), "base_model_tp_plan", None) or {}
     base = model.base_model
     out: dict[str, str] = {}
+    named: dict[str, str] = {}  # entries naming a parameter (Mixtral's ``experts.gate_up_proj``): they win
     for pattern, style in plan.items():
         rx = re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$")
         for name, module in base.named_modules():
-            if rx.match(name):
+            if rx.match(name):  # the module's forward, and its own parameters unless named themselves
                 out[name] = style
                 out.update({f"{name}.{p}": style for p, _ in module.named_parameters(recurse=False)})
+        named.update({name: style for name, _ in base.named_parameters() if rx.match(name)})
+    return _through_adapters(base, {**out, **named})
+
+
+def _through_adapters(base: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The plan with every peft LoRA layer (``q_proj`` -> ``q_proj.base_layer`` + ``lora_A`` / ``lora_B``)
+    split around its base linear: ``y = W x + B A x``. Column-wise ``W`` (output rows split): ``B``
+    column-wise, ``A`` replicated (its input is; ``B``'s input boundary all-reduces ``A``'s output
+    gradient, so ``A``'s gradient is equal on every TP rank). Row-wise ``W`` (input columns split): ``A``
+    row-wise (its partial output all-reduced), ``B`` replicated."""
+    split = {"colwise": "lora_B", "rowwise": "lora_A"}  # the adapter half split like the base
+    out = dict(plan)
+    for name, module in base.named_modules():
+        if name not in plan or not hasattr(module, "base_layer"):
+            continue
+        style = out.pop(name)
+        for p, _ in module.named_parameters(recurse=False):
+            out.pop(f"{name}.{p}", None)
+        if style not in split or getattr(module, "lora_variant", None) or not hasattr(module, "lora_A"):
+            raise ValueError(
+                f"{name}: an adapter layer ({type(module).__name__}) on a {style!r} layer of the tensor-parallel "
+                "plan; tensor_parallel_size takes plain LoRA (no DoRA or other variant) on column- or row-wise "
+                "linear layers: leave this layer out of the adapter's target_modules, or use "
+                "tensor_parallel_size=1"
+            )
+        if any(getattr(d, "p", 0.0) for d in module.lora_dropout.values()):
+            raise ValueError(
+                f"{name}: lora_dropout > 0 under tensor_parallel_size: the TP ranks would each draw their own mask "
+                "on the input they share (diverging replicated adapter weights); set lora_dropout=0.0"
+            )
+        base_layer = f"{name}.base_layer"
+        out[base_layer] = style
+        out.update({f"{base_layer}.{p}": style for p, _ in module.base_layer.named_parameters(recurse=False)})
+        for adapter, half in getattr(module, split[style]).items():
+            path = f"{name}.{split[style]}.{adapter}"
+            out[path] = style
+            out.update({f"{path}.{p}": style for p, _ in half.named_parameters(recurse=False)})
     return out
 
 
@@ -60,16 +103,9 @@ def check_tp(model: nn.Module, tp: int) -> dict[str, str]:
     if untested:
         raise ValueError(
             f"tensor_parallel_size={tp}: {name}'s plan uses {untested}, which this package has not checked for "
-            f"exactness under sequence parallelism (checked: {list(TESTED_STYLES)}; mixture-of-experts plans are "
-            "not yet); use tensor_parallel_size=1"
+            f"exactness under sequence parallelism (checked: {list(TESTED_STYLES)}); use tensor_parallel_size=1"
         )
     _styles()  # transformers new enough to apply it
-    adapters = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "base_layer")})
-    if adapters:
-        raise ValueError(
-            f"tensor_parallel_size={tp} with adapter layers ({adapters}, e.g. peft LoRA): the plan would split the "
-            "adapter's wrapper, not its base linear; LoRA under tensor parallelism is not supported yet"
-        )
     if heads is None or heads % tp or kv % tp:
         raise ValueError(
             f"tensor_parallel_size={tp} must divide {name}'s attention heads ({heads}) and key/value heads ({kv}): "
@@ -89,14 +125,50 @@ def _styles() -> dict[str, Any]:
     return ALL_PARALLEL_STYLES
 
 
-def apply_tp_plan(model: nn.Module, tp_mesh: Any, *, tp: int) -> nn.Module:
-    """Shard ``model`` (a ``PreTrainedModel``) by its own plan over ``tp_mesh`` (1-D, ``tp`` ranks), in place.
+def vocab_parallel_head(model: nn.Module, tp: int) -> str | None:
+    """The module name of ``model``'s lm_head when it can be split ``tp`` ways over the vocabulary: a linear
+    layer not tied to the input embedding, ``vocab % tp == 0`` (equal blocks). ``None``: it stays replicated."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear) or head.out_features % tp:
+        return None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embed is not None and embed.weight is head.weight:
+        return None
+    return next(name for name, m in model.named_modules() if m is head)
+
+
+def apply_tp_plan(model: nn.Module, tp_mesh: Any, *, tp: int, vocab_parallel: bool = False) -> nn.Module:
+    """Shard ``model`` (a ``PreTrainedModel``) by its own plan over ``tp_mesh`` (1-D, ``tp`` ranks), in place;
+    ``vocab_parallel``: its lm_head over the vocabulary too (:func:`vocab_parallel_head`, FPDT's chunked loss).
     Every rank must hold the same weights (each slices its own shard locally)."""
     plan = check_tp(model, tp)
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     apply_tensor_parallelism(model.base_model, tp_mesh, plan)
+    head = vocab_parallel_head(model, tp) if vocab_parallel else None
+    if head is not None:
+        params = [f"{head}.{p}" for p, _ in model.get_submodule(head).named_parameters(recurse=False)]
+        apply_tensor_parallelism(model, tp_mesh, dict.fromkeys([head, *params], "colwise_gather_output"))
     return model
+
+
+def local_head(head: nn.Module) -> tuple[Any, Any, Any]:
+    """``(weight, bias, vocab_group)`` of an lm_head for the chunked loss: this rank's vocabulary rows and the
+    tp group when :func:`apply_tp_plan` split it (a DTensor ``Shard(0)`` on a 1-D mesh), else the full weight
+    and ``None``. ``to_local`` keeps autograd: the rows' gradients land in the DTensor's."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    weight, bias = head.weight, getattr(head, "bias", None)
+    if not isinstance(weight, DTensor):
+        return weight, bias, None
+    if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise ValueError(
+            f"the lm_head weight is a DTensor with placements {weight.placements} on mesh "
+            f"{weight.device_mesh.mesh_dim_names}; the chunked loss takes a full weight or rows split over one "
+            "tensor-parallel mesh (Shard(0)), as tensor_parallel_size does"
+        )
+    bias = bias.to_local() if isinstance(bias, DTensor) else bias
+    return weight.to_local(), bias, weight.device_mesh.get_group()
 
 
 def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> Any:

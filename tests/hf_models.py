@@ -12,6 +12,7 @@ ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # per-head q_norm / k_norm
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),  # 4 experts, top 2, the aux loss on
 }
 
 
@@ -31,8 +32,12 @@ def tiny_config(
         max_position_embeddings=512,
         tie_word_embeddings=False,
     )
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kw["sliding_window"] = None
+    if arch == "mixtral":
+        kw.update(
+            num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1
+        )
     if arch == "gemma2":  # soft-capping small enough to matter at this scale, sliding window on layer 0
         kw.update(
             head_dim=8,

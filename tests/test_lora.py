@@ -45,13 +45,17 @@ class _SeenPatched(L.Callback):
         self.mode, self.attention_calls = (ctx.config.mode, ctx.attention_calls) if ctx else (None, 0)
 
 
-def _fit_lora(arch: str, mode: str):
+def _fit_lora(arch: str, mode: str, tp: int = 1):
     _env_for_lightning()
     model = lora_model(arch)
     module = HFModule(model, dataset=TokenDataset(STEPS, SEQ))
     seen = _SeenPatched()
     trainer = L.Trainer(
-        strategy=UlyssesFPDTStrategy(sequence_parallel_size=SP, **MODES[mode]),
+        strategy=UlyssesFPDTStrategy(
+            sequence_parallel_size=SP,
+            **MODES[mode],
+            **({"tensor_parallel_size": tp, "data_parallel": "fsdp"} if tp > 1 else {}),
+        ),
         accelerator="cpu",
         devices=dist.get_world_size(),
         max_steps=STEPS,
@@ -63,6 +67,10 @@ def _fit_lora(arch: str, mode: str):
     )
     trainer.fit(module)
     assert context_of(model.get_base_model()) is None, "the strategy must hand the model back plain"
+    if tp > 1:  # the adapter half on the split side of its base linear is split too (q_proj: B; o_proj: A)
+        attn = model.get_base_model().model.layers[0].self_attn
+        for half in (attn.q_proj.lora_B.default, attn.o_proj.lora_A.default):
+            assert half.weight.device_mesh.mesh_dim_names == ("dp_sp", "tp"), half.weight.device_mesh
     state = {k.removeprefix("model."): v for k, v in trainer.strategy.lightning_module_state_dict().items()}
     return state, module.losses, seen.mode, seen.attention_calls
 
@@ -100,3 +108,13 @@ def test_lora_trains_like_one_process(dist_pool, arch, mode):
     worst = max(errors, key=errors.get)
     assert errors[worst] < 1e-5, f"{worst}: relative error {errors[worst]:.2e}"
     print(f"{arch} {mode}: {len(errors)} LoRA tensors, worst relative error {errors[worst]:.1e} ({worst})")
+
+
+@pytest.mark.parametrize(("arch", "mode"), [("llama", "ulysses"), ("qwen2", "fpdt")])
+def test_lora_under_tensor_parallelism(dist_pool, arch, mode):
+    """tp 2 x sp 2: each LoRA layer split around its base linear (column-wise base: B split, A replicated;
+    row-wise base: A split, B replicated), every adapter tensor as on one process, the base frozen."""
+    results = dist_pool(2 * SP).run(_fit_lora, arch, mode, 2)
+    errors = _errors(arch, results[:1])  # FSDP2's full state dict: on rank 0
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 1e-5, f"{worst}: relative error {errors[worst]:.2e}"

@@ -13,7 +13,7 @@ from test_strategy import SEQ, _env_for_lightning
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.mesh import ParallelLayout
 
-STEPS = 2
+STEPS = 3  # optimizer steps: the first moves the weights, the next two run on moved, split weights
 
 
 def _fit(arch, sp, tp, strategy_kwargs, model_kwargs, clip=None):
@@ -28,8 +28,12 @@ def _fit(arch, sp, tp, strategy_kwargs, model_kwargs, clip=None):
                         gradient_clip_val=clip,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     trainer.fit(module)
-    w = module.model.model.layers[0].self_attn.q_proj.weight  # FSDP2 over dp x sp, TP over tp: a 2-D DTensor
-    sharded = type(w).__name__, w.device_mesh.mesh_dim_names, [str(p) for p in w.placements]
+    layer, model = module.model.model.layers[0], module.model
+    weights = {"q_proj": layer.self_attn.q_proj.weight, "lm_head": model.lm_head.weight}
+    if hasattr(layer.mlp, "experts"):
+        weights["experts"] = layer.mlp.experts.gate_up_proj
+    # FSDP2 over dp x sp, TP over tp: a 2-D DTensor; FSDP2 alone: a 1-D one
+    sharded = {k: (w.device_mesh.mesh_dim_names, [str(p) for p in w.placements]) for k, w in weights.items()}
     state = {k.removeprefix("model."): v for k, v in trainer.strategy.lightning_module_state_dict().items()}
     return (
         state,
@@ -57,6 +61,8 @@ CASES = {
     ),
     "mistral_tp2_sp2_window": ("mistral", 4, 2, 2, {}, {"sliding_window": 8}),
     "qwen2_tp2_sp2_fpdt_biases": ("qwen2", 4, 2, 2, {"fpdt_chunk_size": 4}, {}),
+    "mixtral_tp2_sp2_experts_aux_loss": ("mixtral", 4, 2, 2, {}, {}),
+    "mixtral_tp2_sp2_fpdt_experts_aux_loss": ("mixtral", 4, 2, 2, {"fpdt_chunk_size": 4}, {}),
     "llama_tp2_sp2_fpdt_checkpointing": (
         "llama",
         4,
@@ -80,8 +86,13 @@ def test_tensor_parallel_matches_one_process(dist_pool, name):
     ref_losses = reference_training(ref, data, dp=dp, batch_size=1, steps=STEPS, clip=clip)
     state, losses, sizes, sharded = results[0]
     assert sizes == (tp, sp, dp)
-    # q_proj's rows split over the TP group (column-wise), then sharded by FSDP2 over dp x sp
-    assert sharded[0] == "DTensor" and sharded[1] == ("dp_sp", "tp") and sharded[2][1] == "S(0)", sharded
+    # q_proj's rows split over the TP group (column-wise), then sharded by FSDP2 over dp x sp; in FPDT mode the
+    # lm_head's vocabulary rows too (the vocabulary-parallel chunked loss), under Ulysses it stays replicated
+    assert sharded["q_proj"][0] == ("dp_sp", "tp") and sharded["q_proj"][1][1] == "S(0)", sharded
+    fpdt = skw.get("fpdt_chunk_size") is not None
+    assert sharded["lm_head"][0] == (("dp_sp", "tp") if fpdt else ("dp_sp",)), sharded
+    if "experts" in sharded:  # the packed gate/up of every expert split over tp
+        assert sharded["experts"] == (("dp_sp", "tp"), ["S(0)", "_S(1, 2)"]), sharded
     worst = 0.0
     for key, want in ref.state_dict().items():
         moved = (want - init[key]).abs().max().item()
@@ -125,18 +136,23 @@ def test_refusals_name_the_rule():
     with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
         check_tp(model, 2)
     model.config.base_model_tp_plan = {
-        "layers.*.mlp": "moe_tp_experts",
+        "layers.*.input_layernorm": "sequence_parallel",  # Megatron-style SP inside TP: not checked
         "layers.*.self_attn.q_proj": "colwise",
     }
     with pytest.raises(
-        ValueError, match=r"plan uses \['moe_tp_experts'\], which this package has not checked"
+        ValueError, match=r"plan uses \['sequence_parallel'\], which this package has not checked"
     ):
         check_tp(model, 2)
     from peft import LoraConfig, get_peft_model
 
-    lora = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    with pytest.raises(ValueError, match="LoRA under tensor parallelism is not supported yet"):
+    lora = get_peft_model(
+        tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+    )
+    with pytest.raises(ValueError, match=r"q_proj: lora_dropout > 0 under tensor_parallel_size"):
         check_tp(lora.base_model.model, 2)
+    dora = LoraConfig(r=4, target_modules=["o_proj"], lora_dropout=0.0, use_dora=True)
+    with pytest.raises(ValueError, match=r"o_proj: an adapter layer \(Linear\) on a 'rowwise' layer"):
+        check_tp(get_peft_model(tiny_model("llama"), dora).base_model.model, 2)
 
 
 def test_the_planner_refuses_tensor_parallelism():

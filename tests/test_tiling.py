@@ -187,6 +187,62 @@ def test_chunked_loss_equals_untiled(dist_pool, world, case, chunk):
         assert err < 1e-12, err
 
 
+def _check_vocab_parallel(chunk: int, vocab_ranks: int) -> dict[str, float]:
+    """The vocabulary-parallel loss (``vocab_group``: each rank holds ``V / t`` rows of the weight) against the
+    full-weight chunked loss on the same tokens: loss, hidden gradient, this block's weight / bias gradient.
+    Ranks ``[k t, (k+1) t)`` share a vocabulary group (tensor parallel, innermost); the others an sp group."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    vocab_groups = [dist.new_group(list(range(k, k + vocab_ranks))) for k in range(0, world, vocab_ranks)]
+    sp_groups = [dist.new_group(list(range(k, world, vocab_ranks))) for k in range(vocab_ranks)]
+    vocab_group, sp_group = vocab_groups[rank // vocab_ranks], sp_groups[rank % vocab_ranks]
+    return {
+        case: _vocab_parallel_error(case, chunk, vocab_ranks, vocab_group, sp_group)
+        for case in ("plain", "bias", "scale_softcap")
+    }
+
+
+def _vocab_parallel_error(case, chunk, vocab_ranks, vocab_group, sp_group) -> float:
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    bsz, n, hid, vocab = 2, 24, 8, 40
+    hidden = torch.randn(bsz, n, hid, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, hid, generator=g, dtype=torch.float64)
+    bias = torch.randn(vocab, generator=g, dtype=torch.float64) if case == "bias" else None
+    labels = torch.randint(0, vocab, (bsz, n), generator=g)
+    labels[:, ::3] = -100
+    labels[0, 1:6] = 1  # targets all in the first rank's block
+    kw = dict(logit_scale=0.7, softcap=3.0) if case == "scale_softcap" else {}
+    h, y = shard_sequence(hidden, group=sp_group), shard_sequence(labels, group=sp_group)
+    rows = slice(rank % vocab_ranks * vocab // vocab_ranks, (rank % vocab_ranks + 1) * vocab // vocab_ranks)
+    out = []
+    for w_full, shard in ((weight, False), (weight, True)):
+        hh = h.clone().requires_grad_()
+        w = (w_full[rows] if shard else w_full).clone().requires_grad_()
+        b = None if bias is None else (bias[rows] if shard else bias).clone().requires_grad_()
+        loss = chunked_lm_head_cross_entropy(
+            hh,
+            w,
+            y,
+            bias=b,
+            chunk_size=chunk,
+            group=sp_group,
+            vocab_group=vocab_group if shard else None,
+            **kw,
+        )
+        loss.backward()
+        grads = [w.grad if shard else w.grad[rows]] + (
+            [] if b is None else [b.grad if shard else b.grad[rows]]
+        )
+        out.append((loss.detach(), hh.grad, *grads))
+    return max((a - b).abs().max().item() for a, b in zip(*out))
+
+
+@pytest.mark.parametrize("world,vocab_ranks", [(2, 2), (4, 2), (4, 4)])
+def test_vocab_parallel_chunked_loss_equals_full_weight(dist_pool, world, vocab_ranks):
+    for errors in dist_pool(world).run(_check_vocab_parallel, 7, vocab_ranks):
+        assert max(errors.values()) < 1e-12, errors
+
+
 def test_chunked_loss_all_ignored_is_zero_not_nan():
     h = torch.randn(2, 5, 8, requires_grad=True)
     w = torch.randn(11, 8, requires_grad=True)

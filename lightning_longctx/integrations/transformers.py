@@ -50,6 +50,7 @@ from lightning_longctx.integrations.masks import (
 from lightning_longctx.integrations.moe import moe_aux_loss_plan
 from lightning_longctx.loss import sequence_parallel_cross_entropy
 from lightning_longctx.sharding import IGNORE_INDEX
+from lightning_longctx.tensor_parallel import local_head
 
 _UNSET = object()
 
@@ -217,13 +218,14 @@ def _chunked_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     outputs = functools.reduce(getattr, head.decoder.split("."), self)(*args, **kwargs)
     hidden = getattr(outputs, "last_hidden_state", None)
     hidden = outputs[0] if hidden is None else hidden
-    lm_head = self.get_output_embeddings()
+    weight, bias, vocab_group = local_head(self.get_output_embeddings())  # rows over tp when split
     loss = chunked_lm_head_cross_entropy(
         hidden,
-        lm_head.weight,
+        weight,
         shift_labels,
-        bias=lm_head.bias,
+        bias=bias,
         group=ctx.group,
+        vocab_group=vocab_group,
         chunk_size=ctx.config.settings.loss_chunk_size,
         logit_scale=head.logit_scale,
         softcap=head.softcap,
