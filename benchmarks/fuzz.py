@@ -66,19 +66,20 @@ def search(target: str, trials: int, seed: int, quiet: bool = False) -> list[dic
     return rows
 
 
-COLUMNS = [("mode", "mode", ""), ("world", "world", ""), ("sp", "sp", ""), ("trials", "trials", ""),
+COLUMNS = [("mode", "mode", ""), ("world", "world", ""), ("sp", "sp", ""), ("tp", "tp", ""), ("trials", "trials", ""),
            ("exact", "exact", ""), ("refused", "refused", ""), ("failing", "failing", "")]  # fmt: skip
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Verdict counts per (mode, world size, sequence-parallel size: the world for the attention core)."""
+    """Verdict counts per (mode, world size, sequence-parallel size: the world for the attention core,
+    tensor-parallel size)."""
     counts: dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
     for r in rows:
         c = r["case"]
-        counts[(c.mode, c.world, getattr(c, "sp", c.world))][r["verdict"].kind] += 1
+        counts[(c.mode, c.world, getattr(c, "sp", c.world), getattr(c, "tensor_parallel_size", 1))][r["verdict"].kind] += 1
     return [
-        {"mode": mode, "world": world, "sp": sp, "trials": sum(cnt.values()), **{k: cnt[k] for k in ("exact", "refused", "failing")}}
-        for (mode, world, sp), cnt in sorted(counts.items())
+        {"mode": mode, "world": world, "sp": sp, "tp": tp, "trials": sum(cnt.values()), **{k: cnt[k] for k in ("exact", "refused", "failing")}}
+        for (mode, world, sp, tp), cnt in sorted(counts.items())
     ]  # fmt: skip
 
 

@@ -3,7 +3,8 @@
 :func:`strategy_cases` draws an architecture from the sweep's list (``arch_sweep.ARCHS``, dense ones:
 the MoE auxiliary loss has its own tests; mostly those the sweep finds exact, sometimes a refused one), the world size and sequence-parallel size (dp = world / sp),
 gradient accumulation, Ulysses or FPDT (chunk size), FPDT offload and overlap, activation checkpointing, activation
-offload, DDP or FSDP2 (with or without model-state offload to the host), packed documents (position ids
+offload, DDP or FSDP2 (with or without model-state offload to the host, with or without tensor parallelism over
+2 ranks: dp = world / (sp * tp); models without a TP plan or with heads not divisible refuse), packed documents (position ids
 restarting at 0, the first label of a document ignored as ``DataCollatorWithFlattening`` does), the sequence
 length (also one that does not divide) and the loss normalization. :func:`run_strategy` trains one optimizer step (SGD) under
 ``UlyssesFPDTStrategy`` on every rank and compares EVERY parameter with a single-process loop on the
@@ -59,6 +60,7 @@ class StratCase:
     activation_offload: bool = False
     data_parallel: str = "ddp"
     cpu_offload: bool = False
+    tensor_parallel_size: int = 1
     packed: bool = False
     loss_normalization: str = "tokens"
     seed: int = 0
@@ -69,7 +71,7 @@ class StratCase:
 
     @property
     def dp(self) -> int:
-        return self.world // self.sp
+        return self.world // (self.sp * self.tensor_parallel_size)
 
 
 @st.composite
@@ -98,6 +100,8 @@ def strategy_cases(draw: st.DrawFn, archs: list[str] | None = None) -> StratCase
     )
     if case.data_parallel == "fsdp":  # drawn last: the earlier draws of every example stay as they were
         case = dataclasses.replace(case, cpu_offload=draw(st.booleans()))
+        if world % (2 * sp) == 0:
+            case = dataclasses.replace(case, tensor_parallel_size=draw(st.sampled_from([1, 2])))
     return case
 
 
@@ -202,6 +206,7 @@ def run_strategy(case: StratCase) -> tuple[str, object]:
             activation_offload=case.activation_offload,
             data_parallel=case.data_parallel,
             cpu_offload=case.cpu_offload,
+            tensor_parallel_size=case.tensor_parallel_size,
             loss_normalization=case.loss_normalization,
         )
         trainer = L.Trainer(

@@ -63,6 +63,16 @@ STRATEGY_REGRESSIONS = {
         arch="opt", world=2, sp=2, seq=23, activation_checkpointing=True, activation_offload=True,
         data_parallel="fsdp", packed=True, seed=1,
     ),
+    # tensor x sequence parallelism on packed documents with FPDT offload and two micro-batches (the TP tests
+    # run unpacked batches); Qwen2's sliding window from layer 1 and its q/k/v biases split column-wise
+    "qwen2_tp2_sp2_fpdt_offload_packed": StratCase(
+        arch="qwen2", world=4, sp=2, seq=24, accumulate=2, fpdt_chunk_size=3, offload=True,
+        data_parallel="fsdp", tensor_parallel_size=2, packed=True, seed=3,
+    ),
+    "gemma_tp2_dp2_fpdt_packed_ckpt": StratCase(
+        arch="gemma", world=4, sp=1, seq=23, fpdt_chunk_size=4, activation_checkpointing=True, data_parallel="fsdp",
+        tensor_parallel_size=2, packed=True, seed=5,
+    ),
 }  # fmt: skip
 
 

@@ -63,6 +63,8 @@ CASES = {
     "qwen2_tp2_sp2_fpdt_biases": ("qwen2", 4, 2, 2, {"fpdt_chunk_size": 4}, {}),
     "mixtral_tp2_sp2_experts_aux_loss": ("mixtral", 4, 2, 2, {}, {}),
     "mixtral_tp2_sp2_fpdt_experts_aux_loss": ("mixtral", 4, 2, 2, {"fpdt_chunk_size": 4}, {}),
+    # tied embeddings: the lm_head is the embedding, so it stays replicated and the loss is the plain chunked one
+    "llama_tied_tp2_sp2_fpdt": ("llama", 4, 2, 2, {"fpdt_chunk_size": 4}, {"tie_word_embeddings": True}),
     "llama_tp2_sp2_fpdt_checkpointing": (
         "llama",
         4,
@@ -89,8 +91,8 @@ def test_tensor_parallel_matches_one_process(dist_pool, name):
     # q_proj's rows split over the TP group (column-wise), then sharded by FSDP2 over dp x sp; in FPDT mode the
     # lm_head's vocabulary rows too (the vocabulary-parallel chunked loss), under Ulysses it stays replicated
     assert sharded["q_proj"][0] == ("dp_sp", "tp") and sharded["q_proj"][1][1] == "S(0)", sharded
-    fpdt = skw.get("fpdt_chunk_size") is not None
-    assert sharded["lm_head"][0] == (("dp_sp", "tp") if fpdt else ("dp_sp",)), sharded
+    vocab_parallel = skw.get("fpdt_chunk_size") is not None and not mkw.get("tie_word_embeddings")
+    assert sharded["lm_head"][0] == (("dp_sp", "tp") if vocab_parallel else ("dp_sp",)), sharded
     if "experts" in sharded:  # the packed gate/up of every expert split over tp
         assert sharded["experts"] == (("dp_sp", "tp"), ["S(0)", "_S(1, 2)"]), sharded
     worst = 0.0
