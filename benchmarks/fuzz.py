@@ -76,7 +76,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     counts: dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
     for r in rows:
         c = r["case"]
-        counts[(c.mode, c.world, getattr(c, "sp", c.world), getattr(c, "tensor_parallel_size", 1))][r["verdict"].kind] += 1
+        key = (c.mode, c.world, getattr(c, "sp", c.world), getattr(c, "tensor_parallel_size", 1))
+        counts[key][r["verdict"].kind] += 1
     return [
         {"mode": mode, "world": world, "sp": sp, "tp": tp, "trials": sum(cnt.values()), **{k: cnt[k] for k in ("exact", "refused", "failing")}}
         for (mode, world, sp, tp), cnt in sorted(counts.items())
