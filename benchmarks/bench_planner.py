@@ -1,6 +1,7 @@
 """The memory planner (``lightning_longctx.plan_memory``) against measured CPU memory of a training step.
 
-Every point is a fresh job of P launched processes (``common.launch``) that trains ``CausalLM`` (AdamW,
+Every point is a fresh job of P launched processes (``common.launch``; P = sp x tp with tensor parallelism)
+that trains ``CausalLM`` (AdamW,
 the package's own LightningModule) on a tiny Llama through a real ``lightning.Trainer`` with
 ``UlyssesFPDTStrategy`` (gloo), one random sequence of N tokens per step, and measures the THIRD step
 (steady state: AdamW's states exist, the previous step's gradients are still allocated at its start,
@@ -58,24 +59,33 @@ DEFAULT_POINTS = (
     "8192:2:fpdt:mp:ckpt",
     "8192:2:fpdt:coff:mp:aoff",
     "8192:2:ulysses:coff:mp",
+    # tensor parallelism: world 4 = sp 2 x tp 2 (FSDP2 over sp, the HF TP plan over tp; FPDT's lm_head and
+    # chunked loss vocabulary parallel)
+    "8192:4:fpdt:fsdp:tp2",
+    "8192:4:ulysses:fsdp:tp2",
 )
 SMOKE_POINTS = ("1024:2:ulysses", "1024:2:fpdt:offload:aoff", "1024:2:fpdt:coff:mp:ckpt")
 FLAGS = {"offload", "ckpt", "aoff", "fsdp", "coff", "mp"}
 
 
 def parse_point(text: str) -> dict[str, Any]:
-    """``N:P:mode[:offload][:ckpt][:aoff][:fsdp][:coff][:mp]`` -> the point's settings (``aoff``: activation
+    """``N:P:mode[:offload][:ckpt][:aoff][:fsdp][:coff][:mp][:tpT]`` -> the point's settings (``aoff``: activation
     offload, which checkpoints too; ``coff``: ``cpu_offload``, FSDP; ``mp``: FSDP with ``bf16-mixed``, i.e. the
-    MixedPrecisionPolicy)."""
+    MixedPrecisionPolicy; ``tpT``: ``tensor_parallel_size=T``, FSDP, the P ranks as sp = P / T x tp = T)."""
     parts = text.split(":")
     flags = set(parts[3:])
-    if len(parts) < 3 or parts[2] not in ("ulysses", "fpdt") or flags - FLAGS:
+    tp_flags = {f for f in flags if f.startswith("tp") and f[2:].isdigit() and int(f[2:]) >= 1}
+    tp = int(next(iter(tp_flags))[2:]) if len(tp_flags) == 1 else 1
+    if (len(parts) < 3 or parts[2] not in ("ulysses", "fpdt") or flags - FLAGS - tp_flags or len(tp_flags) > 1
+            or int(parts[1]) % tp):  # fmt: skip
         raise argparse.ArgumentTypeError(
-            f"{text!r}: write N:P:ulysses|fpdt[:offload][:ckpt][:aoff][:fsdp][:coff][:mp], e.g. 32768:2:fpdt:offload"
+            f"{text!r}: write N:P:ulysses|fpdt[:offload][:ckpt][:aoff][:fsdp][:coff][:mp][:tpT] (T dividing P), "
+            "e.g. 32768:2:fpdt:offload or 8192:4:fpdt:fsdp:tp2"
         )
     return {"N": int(parts[0]), "P": int(parts[1]), "mode": parts[2], "offload": "offload" in flags,
             "ckpt": "ckpt" in flags or "aoff" in flags, "aoff": "aoff" in flags,
-            "fsdp": bool(flags & {"fsdp", "coff", "mp"}), "coff": "coff" in flags, "mp": "mp" in flags}  # fmt: skip
+            "fsdp": bool(flags & {"fsdp", "coff", "mp"}) or tp > 1, "coff": "coff" in flags, "mp": "mp" in flags,
+            "tp": tp}  # fmt: skip
 
 
 def precision_of(args: argparse.Namespace, point: dict[str, Any]) -> str:
@@ -117,7 +127,8 @@ def _point(args: argparse.Namespace, point: dict[str, Any]) -> dict[str, Any]:
 
     meter = StepMemory()
     strategy = UlyssesFPDTStrategy(
-        sequence_parallel_size=point["P"],
+        sequence_parallel_size=point["P"] // point["tp"],
+        tensor_parallel_size=point["tp"],
         fpdt_chunk_size=args.chunk_size if point["mode"] == "fpdt" else None,
         offload=point["offload"],
         activation_checkpointing=point["ckpt"],
@@ -149,7 +160,8 @@ def plan(args: argparse.Namespace, point: dict[str, Any]) -> Any:
     return plan_memory(
         model_config(args, point["N"]),
         seq_len=point["N"],
-        sequence_parallel_size=point["P"],
+        sequence_parallel_size=point["P"] // point["tp"],
+        tensor_parallel_size=point["tp"],
         mode=point["mode"],
         fpdt_chunk_size=args.chunk_size if point["mode"] == "fpdt" else None,
         offload=point["offload"],
@@ -193,7 +205,7 @@ def run_point(args: argparse.Namespace, point: dict[str, Any]) -> dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--points", nargs="+", type=parse_point, default=None,
-                   help=f"N:P:ulysses|fpdt[:offload][:ckpt][:aoff] (default: {' '.join(DEFAULT_POINTS)})")  # fmt: skip
+                   help=f"N:P:ulysses|fpdt[:offload][:ckpt][:aoff][:fsdp][:coff][:mp][:tpT] (default: {' '.join(DEFAULT_POINTS)})")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help=f"toy run: {' '.join(SMOKE_POINTS)}, chunk 256")
     p.add_argument(
         "--chunk-size", type=int, default=1024, help="FPDT tokens per chunk per rank (default: 1024)"
@@ -216,15 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     args.points = [":".join(map(str, (q["N"], q["P"], q["mode"]))) + (":offload" if q["offload"] else "")
                    + (":aoff" if q["aoff"] else ":ckpt" if q["ckpt"] else "")
                    + (":coff" if q["coff"] else ":fsdp" if q["fsdp"] and not q["mp"] else "")
-                   + (":mp" if q["mp"] else "") for q in points]  # fmt: skip
+                   + (":mp" if q["mp"] else "") + (f":tp{q['tp']}" if q["tp"] > 1 else "") for q in points]  # fmt: skip
 
     rows = []
     for point in points:
         row = run_point(args, point)
         rows.append(row)
+        tp = f" tp {point['tp']}" if point["tp"] > 1 else ""
         where = (f"N={point['N']:>6} P={point['P']} {point['mode']:>7}{' offload' * point['offload']}"
                  f"{' ckpt' * point['ckpt']}{' act-offload' * point['aoff']}{' fsdp' * point['fsdp']}"
-                 f"{' cpu_offload' * point['coff']}{' mp' * point['mp']}")  # fmt: skip
+                 f"{' cpu_offload' * point['coff']}{' mp' * point['mp']}{tp}")  # fmt: skip
         if row["status"] == "ok":
             print(f"{where}: step planned {row['planned_step_mib']:7.1f} measured {row['measured_step_mib']:7.1f} MiB "
                   f"({row['step_error_pct']:+.1f}%), total {row['total_error_pct']:+.1f}%, {row['step_s']:.0f} s step",
@@ -236,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = [{**r, **{k: "on" if r[k] else "off" for k in ("offload", "ckpt", "aoff", "coff", "mp")},
               "dp": "FSDP" if r["fsdp"] else "DDP"} for r in rows]  # fmt: skip
     columns = [("N", "N", ""), ("P", "P", ""), ("mode", "mode", ""), ("offload", "offload", ""), ("ckpt", "ckpt", ""),
-               ("aoff", "act. offload", ""), ("dp", "dp", ""), ("coff", "cpu_offload", ""), ("mp", "MP policy", ""), ("planned_step_mib", "planned step MiB", ".1f"), ("measured_step_mib", "measured step MiB", ".1f"),
+               ("aoff", "act. offload", ""), ("dp", "dp", ""), ("tp", "tp", ""), ("coff", "cpu_offload", ""), ("mp", "MP policy", ""), ("planned_step_mib", "planned step MiB", ".1f"), ("measured_step_mib", "measured step MiB", ".1f"),
                ("step_error_pct", "error %", "+.1f"), ("planned_total_mib", "planned total MiB", ".1f"),
                ("measured_total_mib", "measured total MiB", ".1f"), ("total_error_pct", "total error %", "+.1f"),
                ("peak_phase", "planned peak", ""), ("status", "status", "")]  # fmt: skip

@@ -43,6 +43,17 @@ config's dims, ``w`` the (master) parameter bytes, ``pw`` the bytes of the param
   segment, one ``(H/P, 1024, 1024)`` score tile, the double-buffered kv prefetch with offload, and the
   layer's q/k/v gradients).
 
+* **tensor parallelism** (``tensor_parallel_size = tp``, FSDP only; the world is dp x sp x tp): one rank
+  holds the shards of the model's Hugging Face TP plan (q/k/v, gate/up and MoE experts' packed gate/up
+  column-wise, o_proj/down row-wise: ``/ tp``; a row-wise bias, the embedding, norms, Qwen3's q/k norms and a
+  MoE router whole), FSDP shards that over dp x sp, and its unsharded blocks are the TP-local ones. The
+  lm_head splits over the vocabulary only in FPDT mode, untied and ``V % tp == 0``: the chunked loss then
+  runs on ``(loss_chunk, V/tp)`` blocks with a ``(V/tp, d)`` fp32 head gradient and an fp32 hidden-state
+  gradient (summed over tp), else it is replicated (Ulysses: full logits). Activations of hidden width (the
+  residual stream, the norms, the o/down projections' outputs, the checkpointed layer inputs) are replicated
+  over tp; those per head (q/k/v, out, lse, the o_proj input, the all-to-all buffers, the attention working
+  set: ``H/tp`` heads before the sp split) and the MLP's intermediates are ``/ tp``.
+
 The peak is the largest of five phases: the last layer's forward and the loss forward (with the
 previous step's gradients still allocated: Lightning frees them between forward and backward), the
 loss backward, the last layer's backward, and the optimizer step. A layer phase is the larger of its
@@ -63,7 +74,8 @@ host bytes, the table row it adds to, a note); ``_PHASE_TABLE`` says at which mo
 alive, and ``_plan`` sums them and takes the peak. A new memory term is one function plus one line of
 the table.
 
-What it does not model: mixture-of-experts layers, non-RMSNorm norms and fused qkv projections (counted
+What it does not model: mixture-of-experts layers (their TP split is counted, ``_count_params``; their
+configs are refused), non-RMSNorm norms and fused qkv projections (counted
 as Llama's), LoRA's rank-r activations, and gradient accumulation (gradients then persist through
 backward: add ``gradients`` to the peak).
 """
@@ -187,6 +199,30 @@ class _Shape:
     model_name: str
     softcap: bool  # a final-logit soft-cap (Gemma-2): the chunked loss backward keeps two blocks
     block_linears: tuple[tuple[str, int, int], ...]  # one block's nn.Linear: (name, in, out), for LoRA
+    tp: _TPSplit  # how the model's tensor-parallel plan splits its parameters
+
+
+#: ``(rows along the split dim, elements per row)`` of parameters split over tp, summed per row count
+_Split = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class _TPSplit:
+    """What ``tensor_parallel_size`` splits (:func:`lightning_longctx.tensor_parallel.tp_plan_of`, applied by
+    transformers' styles): colwise / packed_colwise parameters along their output dim (dim 0; dim 1 of a 3-D
+    expert tensor), rowwise / packed_rowwise weights along their last dim (a rowwise bias stays replicated),
+    everything else replicated (embedding, norms, Qwen3's q/k norms, a MoE router). A split of ``n`` rows
+    leaves the largest rank ``ceil(n / tp)`` of them (DTensor's ``Shard``)."""
+
+    styles: tuple[str, ...]  # the plan's styles, sorted (empty: the model declares no plan)
+    blocks: _Split  # every block's split parameters
+    block: _Split  # the largest block's
+    head: int  # elements of an lm_head that can split over the vocabulary (an untied nn.Linear); 0: it cannot
+
+    @staticmethod
+    def removed(split: _Split, tp: int) -> int:
+        """Elements of ``split`` one rank does not hold when split ``tp`` ways."""
+        return sum((n - -(-n // tp)) * rest for n, rest in split)
 
 
 def _as_config(config: Any) -> Any:
@@ -207,36 +243,83 @@ def _as_config(config: Any) -> Any:
     return config
 
 
-def _count_params(config: Any) -> tuple[int, int, int, str, tuple[tuple[str, int, int], ...]]:
-    """(all, largest block, outside blocks, class name, the largest block's linears) from the model built
-    on the meta device."""
+def _split_dim(style: str, name: str, shape: tuple[int, ...]) -> int | None:
+    """The dim a plan style splits a parameter along (transformers' ``shard_param``), ``None``: replicated."""
+    if style in ("colwise", "packed_colwise", "colwise_gather_output"):
+        return len(shape) - 2 if len(shape) > 1 else 0  # a 3-D expert tensor: (experts, out, in)
+    if style in ("rowwise", "packed_rowwise"):
+        return None if len(shape) == 1 or name.rsplit(".", 1)[-1] == "bias" else len(shape) - 1
+    return None
+
+
+def _summed(pairs: list[tuple[int, int]]) -> _Split:
+    out: dict[int, int] = {}
+    for n, rest in pairs:
+        out[n] = out.get(n, 0) + rest
+    return tuple(sorted(out.items()))
+
+
+def _tp_split(model: Any, blocks: list[Any]) -> _TPSplit:
+    """Each parameter's tensor-parallel split by the model's own plan (works on the meta device)."""
+    import torch
+
+    from lightning_longctx.tensor_parallel import tp_plan_of
+
+    plan = tp_plan_of(model)
+    split = {}  # id(param) -> (rows, elements per row)
+    for name, p in model.base_model.named_parameters():
+        dim = _split_dim(plan[name], name, tuple(p.shape)) if name in plan else None
+        if dim is not None:
+            split[id(p)] = (p.shape[dim], p.numel() // p.shape[dim])
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    largest = blocks[sizes.index(max(sizes))] if blocks else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    splittable = isinstance(head, torch.nn.Linear) and (embed is None or embed.weight is not head.weight)
+    return _TPSplit(
+        styles=tuple(sorted(set(plan.values()))),
+        blocks=_summed([split[id(p)] for b in blocks for p in b.parameters() if id(p) in split]),
+        block=_summed([split[id(p)] for p in largest.parameters() if id(p) in split] if largest else []),
+        head=sum(p.numel() for p in head.parameters()) if splittable else 0,
+    )
+
+
+def _count_params(config: Any) -> tuple[int, int, int, str, tuple[tuple[str, int, int], ...], _TPSplit]:
+    """(all, largest block, outside blocks, class name, the largest block's linears, the tensor-parallel
+    split) from the model built on the meta device."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    blocks = set(getattr(model, "_no_split_modules", None) or [])
-    block_sizes, in_block, linears = [], set(), ()
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    block_sizes, in_block, linears, blocks = [], set(), (), []
     for module in model.modules():
-        if type(module).__name__ in blocks:
+        if type(module).__name__ in block_names:
             params = list(module.parameters())
             size = sum(p.numel() for p in params)
             if size > max(block_sizes, default=-1):
                 linears = tuple((n.rsplit(".", 1)[-1], m.in_features, m.out_features)
                                 for n, m in module.named_modules() if isinstance(m, torch.nn.Linear))  # fmt: skip
             block_sizes.append(size)
+            blocks.append(module)
             in_block.update(id(p) for p in params)
     total = sum(p.numel() for p in model.parameters())
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_block)
-    return total, max(block_sizes, default=0), root, type(model).__name__, linears
+    try:
+        split = _tp_split(model, blocks)
+    except Exception:  # a model whose plan cannot be read: no split (tp > 1 is refused), the counts stand
+        split = _TPSplit((), (), (), 0)
+    return total, max(block_sizes, default=0), root, type(model).__name__, linears, split
 
 
 @functools.lru_cache(maxsize=32)
 def _shape_cached(config_json: str, model_type: str) -> _Shape:
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(model_type, **json.loads(config_json))
-    return _shape_of(config)
+    fields = json.loads(config_json)
+    fields.pop("model_type", None)  # to_diff_dict has it; for_model takes it apart
+    return _shape_of(AutoConfig.for_model(model_type, **fields))
 
 
 def _shape_of(config: Any) -> _Shape:
@@ -245,8 +328,8 @@ def _shape_of(config: Any) -> _Shape:
     gated = getattr(text, "model_type", None) not in _NON_GATED_MODEL_TYPES
     n_matmul = matmul_params(text, gated_mlp=gated)
     try:
-        total, block, root, name, linears = _count_params(config)
-    except Exception:  # a model transformers cannot build: count the Llama-style weights
+        total, block, root, name, linears, tp = _count_params(config)
+    except Exception:  # a model transformers cannot build: count the Llama-style weights (and plan)
         tied = bool(getattr(text, "tie_word_embeddings", False))
         block = (n_matmul - d * vocab) // layers + 2 * d
         root = d * vocab * (1 if tied else 2) + d
@@ -254,8 +337,12 @@ def _shape_of(config: Any) -> _Shape:
         q, kv = heads * head_dim, kv_heads * head_dim
         linears = (("q_proj", d, q), ("k_proj", d, kv), ("v_proj", d, kv), ("o_proj", q, d),
                    *((("gate_proj", d, inter),) if gated else ()), ("up_proj", d, inter), ("down_proj", inter, d))  # fmt: skip
+        # column-wise q/k/v/gate/up split their outputs, row-wise o/down their inputs: (rows, d) each
+        one = _summed([(o, i) if n != "o_proj" and n != "down_proj" else (i, o) for n, i, o in linears])
+        styles = tuple(sorted(set((getattr(text, "base_model_tp_plan", None) or {}).values())))
+        tp = _TPSplit(styles, tuple((n, rest * layers) for n, rest in one), one, 0 if tied else d * vocab)
     return _Shape(d, layers, heads, kv_heads, head_dim, inter, vocab, gated, total, block, root, n_matmul,
-                  d * vocab, name, bool(getattr(text, "final_logit_softcapping", None)), linears)  # fmt: skip
+                  d * vocab, name, bool(getattr(text, "final_logit_softcapping", None)), linears, tp)  # fmt: skip
 
 
 def _shape(config: Any) -> _Shape:
@@ -332,6 +419,9 @@ class MemoryPlan:
     devices_per_host: int = 1
     device_memory: int | None = None
     host_memory: int | None = None  # per host
+    tensor_parallel_size: int = 1
+    vocab_parallel: bool = False  # the lm_head split over the vocabulary across the tp ranks (FPDT's loss)
+    local_params: int = 0  # one tensor-parallel rank's parameters (all of them with tp = 1), before FSDP
 
     def __getitem__(self, name: str) -> MemoryComponent:
         for comp in self.components:
@@ -403,6 +493,9 @@ class MemoryPlan:
             extras.append("MixedPrecisionPolicy (16-bit compute params, fp32 reduce)")
         if self.cpu_offload:
             extras.append("cpu_offload")
+        if self.tensor_parallel_size > 1:
+            head = "vocab-parallel lm_head" if self.vocab_parallel else "replicated lm_head"
+            extras.append(f"{_count(self.local_params)} params per TP rank, {head}")
         if self.lora_rank:
             extras.append(f"LoRA r={self.lora_rank} ({_count(self.trainable_params)} trainable)")
         if self.activation_offload:
@@ -411,8 +504,9 @@ class MemoryPlan:
             extras.append("activation checkpointing")
         if self.micro_batch_size > 1:
             extras.append(f"micro batch {self.micro_batch_size}")
+        tp = f" x tp {self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
         return (
-            f"{self.model} ({_count(self.params)} params), {n}, sp {self.sequence_parallel_size} x dp "
+            f"{self.model} ({_count(self.params)} params), {n}, sp {self.sequence_parallel_size}{tp} x dp "
             f"{self.data_parallel_size}, {mode}, {', '.join(extras)}: {self.tokens_per_device:,} tokens per device"
         )
 
@@ -523,9 +617,11 @@ class _Layout:
     cpu_offload: bool  # FSDP2's CPUOffloadPolicy: weights, gradients, optimizer state on the host
     lora: int  # LoRA adapter parameters of all blocks (0: every parameter trains)
     lora_block: int  # one block's adapter parameters
-    kv_heads: int  # kv heads after the replication for the all-to-all (spread_kv_heads)
+    kv_heads: int  # TP-local kv heads after the replication for the all-to-all (spread_kv_heads)
     heads_per_rank: int  # query heads per rank after the all-to-all (the largest rank's, uneven splits)
     kv_per_rank: int  # kv heads per rank after the all-to-all
+    tp: int  # tensor_parallel_size: ranks that split every layer's weights (and its heads, its MLP width)
+    vocab_parallel: bool  # FPDT + tp: the untied lm_head split over the vocabulary (V / tp rows per rank)
     lora_rank: int | None
     device_memory: int | None
     host_memory: int | None  # per host
@@ -550,18 +646,56 @@ class _Layout:
 
     @property
     def shard(self) -> int:
-        """Ranks a parameter is split over: dp * sp with FSDP, 1 with DDP."""
+        """Ranks a parameter is split over: dp * sp with FSDP (the replicas of a TP-local block), 1 with DDP."""
         return self.dp * self.sp if self.data_parallel == "fsdp" else 1
+
+    @property
+    def head_local(self) -> int:
+        """One tensor-parallel rank's lm_head weight (elements): V / tp rows when vocabulary parallel."""
+        return self.shape.head_params // self.tp if self.vocab_parallel else self.shape.head_params
+
+    @property
+    def vocab_local(self) -> int:
+        """The vocabulary rows one rank's logits blocks have: V / tp when vocabulary parallel."""
+        return self.shape.vocab // self.tp if self.vocab_parallel else self.shape.vocab
+
+    @property
+    def root_local(self) -> int:
+        """One tensor-parallel rank's parameters outside the blocks (FSDP's root): the embedding and norms are
+        replicated over tp, a vocabulary-parallel lm_head is not."""
+        split = self.shape.tp.head - self.shape.tp.head // self.tp if self.vocab_parallel else 0
+        return self.shape.root_params - split
+
+    @property
+    def block_local(self) -> int:
+        """One tensor-parallel rank's largest block (FSDP's unit): its split parameters' shards, the rest whole."""
+        return self.shape.block_params - _TPSplit.removed(self.shape.tp.block, self.tp)
+
+    @property
+    def local_params(self) -> int:
+        """One tensor-parallel rank's parameters, before FSDP shards them over dp * sp."""
+        blocks = _TPSplit.removed(self.shape.tp.blocks, self.tp)
+        return self.shape.params - blocks - (self.shape.root_params - self.root_local)
+
+    @property
+    def heads_tp(self) -> int:
+        """Query heads of one tensor-parallel rank (its q/k/v columns), before the all-to-all."""
+        return self.shape.heads // self.tp
+
+    @property
+    def inter_tp(self) -> int:
+        """MLP intermediate width of one tensor-parallel rank (gate/up columns, down rows; the largest rank's)."""
+        return -(-self.shape.inter // self.tp)
 
     @property
     def trainable(self) -> int:
         """Parameters with a gradient and optimizer state: the LoRA adapters, or all of them."""
-        return self.lora or self.shape.params
+        return self.lora or self.local_params
 
     @property
     def weight_bytes(self) -> int:
         """One rank's parameters, the LoRA adapters included."""
-        return -(-(self.shape.params + self.lora) // self.shard) * self.w
+        return -(-(self.local_params + self.lora) // self.shard) * self.w
 
     @property
     def grad_bytes(self) -> int:
@@ -574,8 +708,21 @@ class _Layout:
 
     @property
     def mlp_weights(self) -> int:
-        """One layer's MLP weights (elements)."""
-        return (3 if self.shape.gated else 2) * self.shape.d * self.shape.inter
+        """One layer's MLP weights (elements) on one tensor-parallel rank."""
+        return (3 if self.shape.gated else 2) * self.shape.d * self.inter_tp
+
+    @property
+    def matmul_local(self) -> int:
+        """The matmul weights one tensor-parallel rank holds: q/k/v/o split over tp (whole heads), the MLP's
+        (:attr:`mlp_weights`), the lm_head's."""
+        s = self.shape
+        attn = 2 * s.d * s.head_dim * (s.heads + s.kv_heads)
+        mlp = (3 if s.gated else 2) * s.d * s.inter
+        return (
+            s.matmul_params
+            - s.layers * (attn - attn // self.tp + mlp - self.mlp_weights)
+            - (s.head_params - self.head_local)
+        )
 
     @property
     def chunk_casts(self) -> int:
@@ -639,8 +786,9 @@ class _Term:
 
 
 def _weights(lay: _Layout) -> _Term:
-    n = lay.shape.params + lay.lora
-    note = f"{n:,} params x {lay.w} B" + (f" / {lay.shard} (FSDP)" if lay.shard > 1 else "")
+    n = lay.local_params + lay.lora
+    note = f"{n:,} params" + (f" of {lay.shape.params:,} (tp {lay.tp})" if lay.tp > 1 else "")
+    note += f" x {lay.w} B" + (f" / {lay.shard} (FSDP)" if lay.shard > 1 else "")
     note += f", {lay.lora:,} of them LoRA's" if lay.lora else ""
     return lay.placed("weights", lay.weight_bytes, note + (" (cpu_offload)" if lay.cpu_offload else ""))
 
@@ -680,17 +828,17 @@ def _ddp_gradient_buckets(lay: _Layout) -> _Term:
 
 def _fsdp_root_params(lay: _Layout) -> _Term:
     """FSDP's root (embedding, head, final norm) stays unsharded for the step (``reshard_after_forward=False``),
-    in the compute dtype (the MixedPrecisionPolicy all-gathers bf16)."""
+    in the compute dtype (the MixedPrecisionPolicy all-gathers bf16); with tp its TP-local part."""
     if lay.data_parallel != "fsdp":
         return _Term("FSDP unsharded params/grads", 0)
-    return _Term("FSDP unsharded params/grads", lay.shape.root_params * lay.pw, note="root params")
+    return _Term("FSDP unsharded params/grads", lay.root_local * lay.pw, note="root params")
 
 
 def _fsdp_blocks_in_flight(lay: _Layout) -> _Term:
-    """Two unsharded transformer blocks: the one running and the one prefetched."""
+    """Two unsharded transformer blocks: the one running and the one prefetched (TP-local with tp)."""
     if lay.data_parallel != "fsdp":
         return _Term("FSDP unsharded params/grads", 0)
-    block = lay.shape.block_params + lay.lora_block
+    block = lay.block_local + lay.lora_block
     return _Term("FSDP unsharded params/grads", 2 * block * lay.pw, note="2 blocks in flight")
 
 
@@ -699,8 +847,7 @@ def _fsdp_block_gradients(lay: _Layout) -> _Term:
     MixedPrecisionPolicy), and the root's unsharded gradients (trainable parameters only)."""
     if lay.data_parallel != "fsdp":
         return _Term("FSDP unsharded params/grads", 0)
-    s = lay.shape
-    block, root = (lay.lora_block, 0) if lay.lora else (s.block_params, s.root_params)
+    block, root = (lay.lora_block, 0) if lay.lora else (lay.block_local, lay.root_local)
     reduce_bytes = 4 if lay.mp_policy else lay.w  # the policy's reduce_dtype: fp32
     nbytes = block * (lay.pw + reduce_bytes) + root * lay.pw
     return _Term("FSDP unsharded params/grads", nbytes, note="block + root grads in backward")
@@ -712,7 +859,7 @@ def _autocast_weight_copies(lay: _Layout) -> _Term:
     if not lay.casting:
         return _Term("autocast weight copies", 0)
     s = lay.shape
-    cast_params = s.matmul_params - (s.layers * lay.mlp_weights + s.head_params if lay.fpdt else 0)
+    cast_params = lay.matmul_local - (s.layers * lay.mlp_weights + lay.head_local if lay.fpdt else 0)
     return _Term("autocast weight copies", cast_params * lay.m,
                  note=f"{lay.m}-byte casts of the weights linear keeps for backward")  # fmt: skip
 
@@ -739,18 +886,19 @@ def _layer_attention_bytes(lay: _Layout) -> int:
     s, t = lay.shape, lay.t
     norm = _norm_bytes(lay)
     qkv_in = (3 if lay.casting else 1) * s.d * lay.m * t
-    return norm + qkv_in + _attention_store_bytes(lay) + s.heads * s.head_dim * lay.m * t
+    return norm + qkv_in + _attention_store_bytes(lay) + _o_proj_input_bytes(lay)
 
 
 def _layer_mlp_bytes(lay: _Layout) -> int:
     """One layer's saved tensors from its second RMSNorm on: the norm, the MLP's input(s) and its gate, act,
-    up, act*up (FPDT's tiled MLP keeps only its input and recomputes the rest)."""
+    up, act*up (their TP-local columns with tp; FPDT's tiled MLP keeps only its input and recomputes the
+    rest)."""
     s, t = lay.shape, lay.t
     norm = _norm_bytes(lay)
     if lay.fpdt:
         return norm + s.d * lay.r * t
     copies = (2 if s.gated else 1) if lay.casting else 1
-    return norm + copies * s.d * lay.m * t + (4 if s.gated else 2) * s.inter * lay.m * t
+    return norm + copies * s.d * lay.m * t + (4 if s.gated else 2) * lay.inter_tp * lay.m * t
 
 
 def _layer_device_bytes(lay: _Layout) -> int:
@@ -768,9 +916,9 @@ def _saved_activations(lay: _Layout) -> _Term:
 
 
 def _o_proj_input_bytes(lay: _Layout) -> int:
-    """The o_proj's saved input (the attention output in sequence layout): freed by the o_proj's backward,
-    before the attention's backward runs."""
-    return lay.shape.heads * lay.shape.head_dim * lay.m * lay.t
+    """The o_proj's saved input (the attention output in sequence layout, this TP rank's heads): freed by the
+    o_proj's backward, before the attention's backward runs."""
+    return lay.heads_tp * lay.shape.head_dim * lay.m * lay.t
 
 
 def _last_layer_attention_activations(lay: _Layout) -> _Term:
@@ -859,28 +1007,30 @@ def _loss_forward(lay: _Layout) -> _Term:
     head's per-chunk cast. Hugging Face: the whole logits (+ their fp32 copy) and the log-softmax. (The
     row's note is the backward's.)"""
     s, ct = lay.shape, lay.ct
-    if lay.fpdt:
+    if lay.fpdt:  # vocabulary parallel: (chunk, V / tp) blocks of this rank's rows
         low = lay.m if lay.m != ct else 0  # autocast: the matmul-dtype logits beside the fp32 block
-        return _Term("loss working set", min(lay.loss_chunk, lay.t) * s.vocab * (ct + low)
-                     + s.head_params * lay.chunk_casts)  # fmt: skip
+        return _Term("loss working set", min(lay.loss_chunk, lay.t) * lay.vocab_local * (ct + low)
+                     + lay.head_local * lay.chunk_casts)  # fmt: skip
     return _Term("loss working set", lay.t * s.vocab * (lay.m + ct + (ct if lay.m != ct else 0)))
 
 
 def _loss_backward(lay: _Layout) -> _Term:
     """FPDT: the recomputed block, exp, softmax - onehot, where(), * grad (two fp32 blocks with a soft-cap),
-    the head's fp32 gradient accumulator and the hidden states' gradient. Hugging Face: the log-softmax, its
+    the head's fp32 gradient accumulator and the hidden states' gradient. Vocabulary parallel: blocks and
+    accumulator of this rank's ``V / tp`` rows; the hidden states' gradient is summed over the tp ranks in
+    fp32, and cast back to the hidden dtype once the last block is freed. Hugging Face: the log-softmax, its
     gradient and the logits' gradient (``12 * t * V`` bytes in fp32)."""
     s, ct, m = lay.shape, lay.ct, lay.m
     if lay.fpdt:
-        lc = min(lay.loss_chunk, lay.t)
+        lc, v = min(lay.loss_chunk, lay.t), lay.vocab_local
         low = m if m != ct else 0  # autocast: the matmul-dtype gradient beside the fp32 block
-        nbytes = (
-            lc * s.vocab * ((2 if s.softcap else 1) * ct + low)
-            + s.head_params * (ct + lay.chunk_casts + low)
-            + s.d * lay.r * lay.t
-        )
+        blocks = lc * v * ((2 if s.softcap else 1) * ct + low)
+        grad_h = s.d * lay.t * (max(lay.r, 4) if lay.vocab_parallel else lay.r)
+        cast_back = s.d * lay.t * lay.r if lay.vocab_parallel and lay.r < 4 else 0
+        nbytes = max(blocks, cast_back) + lay.head_local * (ct + lay.chunk_casts + low) + grad_h
+        note = f"chunked lm_head + loss: ({lc:,} x {v:,}) blocks"
         return _Term(
-            "loss working set", nbytes, note=f"chunked lm_head + loss: ({lc:,} x {s.vocab:,}) blocks"
+            "loss working set", nbytes, note=note + (" (vocabulary parallel)" if lay.vocab_parallel else "")
         )
     return _Term("loss working set", 3 * ct * lay.t * s.vocab,
                  note=f"logits ({lay.t:,} x {s.vocab:,}) fp32: log-softmax + gradients")  # fmt: skip
@@ -939,12 +1089,13 @@ def _attention_backward(lay: _Layout) -> _Term:
 
 
 def _all_to_all_buffers(lay: _Layout) -> _Term:
-    """FPDT: send + receive of one chunk; Ulysses (head_to_seq): the reshaped copy and the send buffer."""
-    s = lay.shape
+    """FPDT: send + receive of one chunk; Ulysses (head_to_seq): the reshaped copy and the send buffer. Both of
+    this TP rank's heads."""
+    hd = lay.shape.head_dim
     if lay.fpdt:
-        nbytes = 2 * lay.b * lay.chunk * s.heads * s.head_dim * lay.qa
+        nbytes = 2 * lay.b * lay.chunk * lay.heads_tp * hd * lay.qa
     else:
-        nbytes = 2 * lay.t * s.heads * s.head_dim * lay.m
+        nbytes = 2 * lay.t * lay.heads_tp * hd * lay.m
     return _Term("all-to-all buffers", nbytes, note="send + receive of one all-to-all")
 
 
@@ -954,7 +1105,7 @@ def _mlp_forward(lay: _Layout) -> _Term:
     s = lay.shape
     if not lay.fpdt:
         return _Term("MLP working set", s.d * lay.m * lay.t)
-    chunk = min(lay.mlp_chunk, lay.t) * s.inter * lay.m  # one (chunk, I) tensor
+    chunk = min(lay.mlp_chunk, lay.t) * lay.inter_tp * lay.m  # one (chunk, I / tp) tensor
     n_mlp = 4 if s.gated else 2
     return _Term("MLP working set", 2 * s.d * lay.r * lay.t + (n_mlp - 1) * chunk
                  + lay.mlp_weights * lay.chunk_casts)  # fmt: skip
@@ -968,11 +1119,13 @@ def _mlp_backward(lay: _Layout) -> _Term:
         mc = min(lay.mlp_chunk, lay.t)
         n_mlp = 4 if s.gated else 2
         nbytes = (
-            2 * s.d * lay.r * lay.t + (n_mlp + 3) * mc * s.inter * lay.m + lay.mlp_weights * lay.chunk_casts
+            2 * s.d * lay.r * lay.t
+            + (n_mlp + 3) * mc * lay.inter_tp * lay.m
+            + lay.mlp_weights * lay.chunk_casts
         )
         note = f"tiled: {mc:,}-token chunks"
     else:
-        nbytes = (2 if s.gated else 1) * s.inter * lay.m * lay.t
+        nbytes = (2 if s.gated else 1) * lay.inter_tp * lay.m * lay.t
         note = "MLP gradients"
     return _Term("MLP working set", nbytes + _residual_gradient_bytes(lay), note=note)
 
@@ -1151,6 +1304,9 @@ def _plan(lay: _Layout) -> MemoryPlan:
         devices_per_host=lay.devices_per_host,
         device_memory=lay.device_memory,
         host_memory=lay.host_memory,
+        tensor_parallel_size=lay.tp,
+        vocab_parallel=lay.vocab_parallel,
+        local_params=lay.local_params,
     )
 
 
@@ -1160,6 +1316,7 @@ def plan_memory(
     seq_len: int,
     sequence_parallel_size: int,
     data_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
     mode: str = "ulysses",
     fpdt_chunk_size: int | None = None,
     offload: bool = False,
@@ -1190,6 +1347,14 @@ def plan_memory(
             ``P``, or of ``P * chunk`` with FPDT).
         sequence_parallel_size: P, ranks that share one sequence. data_parallel_size: dp (matters
             for FSDP, which shards over dp x sp).
+        tensor_parallel_size: tp, ranks that split every layer by the model's Hugging Face TP plan (the world
+            is dp x sp x tp; needs ``data_parallel="fsdp"``, heads and kv heads divisible by tp, no LoRA).
+            Per rank: the plan's split weights (q/k/v, o, the MLP's, a MoE's experts) / tp, and FSDP shards
+            that over dp x sp; the embedding, norms and router stay whole; the lm_head is split over the
+            vocabulary only in FPDT mode when it is untied and ``vocab % tp == 0`` (vocabulary-parallel
+            chunked loss, ``(chunk, V / tp)`` blocks), else replicated. Activations of hidden width (residual
+            stream, norms, the o/down projections' outputs, checkpointed layer inputs) are replicated over tp;
+            those per head (q/k/v, attention output, lse, all-to-all buffers) and the MLP's intermediates / tp.
         mode: ``"ulysses"`` or ``"fpdt"``. fpdt_chunk_size: tokens per chunk per rank (FPDT; default
             4096, capped at the local length as the strategy does). offload: FPDT's chunks in host memory.
         activation_checkpointing: checkpoint every decoder layer (the strategy's or ``CausalLM``'s flag).
@@ -1221,6 +1386,7 @@ def plan_memory(
     shape = _shape(_as_config(config))
     P = _check_int("sequence_parallel_size", sequence_parallel_size)
     dp = _check_int("data_parallel_size", data_parallel_size)
+    tp = _check_int("tensor_parallel_size", tensor_parallel_size)
     b = _check_int("micro_batch_size", micro_batch_size)
     _check_int("seq_len", seq_len)
     if mode not in MODES:
@@ -1242,21 +1408,29 @@ def plan_memory(
             f"cpu_offload=True with data_parallel={data_parallel!r}: state offload is FSDP2's CPUOffloadPolicy; "
             "set data_parallel='fsdp'"
         )
+    if tp > 1:
+        _check_tp(shape, tp, data_parallel)
     w, pw, m, r, autocast, mp = _dtypes(precision, param_dtype, data_parallel)
     memory = None if device_memory is None else parse_bytes(device_memory)
     host = None if host_memory is None else parse_bytes(host_memory)
-    per_host = min(P * dp, DEFAULT_DEVICES_PER_HOST) if devices_per_host is None else devices_per_host
+    per_host = min(P * dp * tp, DEFAULT_DEVICES_PER_HOST) if devices_per_host is None else devices_per_host
     _check_int("devices_per_host", per_host)
-    lora, lora_block = _lora_params(shape, lora_rank, lora_targets)
+    lora, lora_block = _lora_params(shape, lora_rank, lora_targets, tp)
 
+    # the strategy's rule (tensor_parallel.vocab_parallel_head): FPDT's chunked loss on this rank's V / tp rows
+    vocab_parallel = tp > 1 and mode == "fpdt" and shape.tp.head > 0 and shape.vocab % tp == 0
     chunk = loss_chunk = mlp_chunk = None
     if mode == "fpdt":
         chunk = chunk_for(seq_len, P, fpdt_chunk_size or DEFAULT_FPDT_CHUNK_SIZE)  # the strategy's rule
-        loss_chunk = loss_chunk_size or default_loss_chunk_size(shape.vocab)
+        # the default chunk is of the rows the loss sees (chunked_lm_head_cross_entropy: the local weight's)
+        loss_chunk = loss_chunk_size or default_loss_chunk_size(
+            shape.vocab // tp if vocab_parallel else shape.vocab
+        )
         mlp_chunk = mlp_chunk_size or fpdt_chunk_size or DEFAULT_FPDT_CHUNK_SIZE
     multiple = P * (chunk or 1)
     padded = -(-seq_len // multiple) * multiple
-    kv = shape.kv_heads * kv_repeat_factor(shape.heads, shape.kv_heads, P)
+    heads, kv_heads = shape.heads // tp, shape.kv_heads // tp  # the TP-local heads the attention receives
+    kv = kv_heads * kv_repeat_factor(heads, kv_heads, P)
     lay = _Layout(
         shape=shape, seq_len=seq_len, padded=padded, sp=P, dp=dp, b=b, t=b * padded // P, bn=b * padded,
         mode=mode, chunk=chunk, loss_chunk=loss_chunk, mlp_chunk=mlp_chunk, offload=bool(offload),
@@ -1264,7 +1438,8 @@ def plan_memory(
         activation_offload=bool(activation_offload), data_parallel=data_parallel, optimizer=optimizer.lower(),
         states=OPTIMIZER_STATES[optimizer.lower()], precision=str(precision), w=w, pw=pw, m=m, r=r,
         autocast=autocast, mp_policy=mp, cpu_offload=bool(cpu_offload), lora=lora, lora_block=lora_block,
-        kv_heads=kv, heads_per_rank=-(-shape.heads // P), kv_per_rank=-(-kv // P), lora_rank=lora_rank,
+        kv_heads=kv, heads_per_rank=-(-heads // P), kv_per_rank=-(-kv // P), lora_rank=lora_rank, tp=tp,
+        vocab_parallel=vocab_parallel,
         device_memory=memory, host_memory=host, devices_per_host=per_host,
         fixed_device_reserve=None if device_reserve is None else parse_bytes(device_reserve),
         host_reserve=HOST_PROCESS_BYTES if host_reserve is None else parse_bytes(host_reserve),
@@ -1272,8 +1447,43 @@ def plan_memory(
     return _plan(lay)
 
 
-def _lora_params(shape: _Shape, rank: int | None, targets: Any) -> tuple[int, int]:
-    """(all blocks', one block's) LoRA adapter parameters: ``rank * (in + out)`` per targeted linear."""
+def _check_tp(shape: _Shape, tp: int, data_parallel: str) -> None:
+    """What the strategy refuses for ``tensor_parallel_size > 1`` (``SequenceParallelConfig``,
+    ``tensor_parallel.check_tp``), with the same messages."""
+    from lightning_longctx.tensor_parallel import TESTED_STYLES
+
+    name = shape.model_name
+    if data_parallel != "fsdp":
+        raise ValueError(
+            f"tensor_parallel_size={tp} with data_parallel={data_parallel!r}: DDP cannot wrap the DTensor weights "
+            "tensor parallelism makes; set data_parallel='fsdp' (FSDP2 over data x sequence parallel)"
+        )
+    if not shape.tp.styles:
+        raise ValueError(
+            f"tensor_parallel_size={tp}: {name} declares no tensor-parallel plan (config.base_model_tp_plan), so "
+            "its layers cannot be split; use tensor_parallel_size=1 (sequence parallelism alone)"
+        )
+    untested = sorted(set(shape.tp.styles) - set(TESTED_STYLES))
+    if untested:
+        raise ValueError(
+            f"tensor_parallel_size={tp}: {name}'s plan uses {untested}, which this package has not checked for "
+            f"exactness under sequence parallelism (checked: {list(TESTED_STYLES)}); use tensor_parallel_size=1"
+        )
+    if shape.heads % tp or shape.kv_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide {name}'s attention heads ({shape.heads}) and key/value heads "
+            f"({shape.kv_heads}): each TP rank takes whole heads; pick a common divisor"
+        )
+
+
+#: the row-wise linears of the Hugging Face plans (their LoRA ``A`` splits over tp); the others are column-wise
+_ROWWISE_LINEARS = ("o_proj", "down_proj")
+
+
+def _lora_params(shape: _Shape, rank: int | None, targets: Any, tp: int = 1) -> tuple[int, int]:
+    """(all blocks', one block's) LoRA adapter parameters on one tensor-parallel rank: ``rank * (in + out)``
+    per targeted linear; with ``tp`` the half on the split side of the base linear is ``/ tp``
+    (``tensor_parallel._through_adapters``: ``B`` of a column-wise layer, ``A`` of a row-wise one)."""
     if rank is None:
         return 0, 0
     _check_int("lora_rank", rank)
@@ -1284,7 +1494,11 @@ def _lora_params(shape: _Shape, rank: int | None, targets: Any) -> tuple[int, in
             f"lora_targets={targets!r}: {sorted(wanted - names) or 'nothing'} is not a linear layer of "
             f"{shape.model_name}'s blocks; use {ALL_LINEAR!r} or some of {sorted(names)}"
         )
-    block = sum(rank * (i + o) for name, i, o in shape.block_linears if name in wanted)
+
+    def local(name: str, i: int, o: int) -> int:
+        return rank * (-(-i // tp) + o if name in _ROWWISE_LINEARS else i + -(-o // tp))
+
+    block = sum(local(name, i, o) for name, i, o in shape.block_linears if name in wanted)
     return shape.layers * block, block
 
 
@@ -1293,14 +1507,10 @@ def parallel_kwargs(parallel: ResolvedConfig) -> dict[str, Any]:
     (``SequenceParallelConfig(...).resolve(...)``): the one mapping from the strategy's settings to the
     plan, so ``plan_memory(model_config, seq_len=N, **parallel_kwargs(cfg))`` plans what the strategy runs."""
     given = parallel.settings
-    if parallel.tp > 1:
-        raise ValueError(
-            f"tensor_parallel_size={parallel.tp}: the memory planner does not model tensor parallelism yet; plan "
-            "with tensor_parallel_size=1 for an upper bound of the per-rank bytes"
-        )
     return {
         "sequence_parallel_size": parallel.sp,
         "data_parallel_size": parallel.dp,
+        "tensor_parallel_size": parallel.tp,
         "mode": parallel.mode,
         "fpdt_chunk_size": given.fpdt_chunk_size,
         "offload": parallel.offload,
@@ -1321,7 +1531,8 @@ def longest_sequence(
     reserve, and ``host_memory`` per host when given (both are :attr:`MemoryPlan.fits`).
 
     Searched over multiples of ``P * fpdt_chunk_size`` (FPDT) or of ``P * 1024`` (Ulysses); the other
-    keyword arguments are :func:`plan_memory`'s. Returns 0 when not even one multiple fits.
+    keyword arguments are :func:`plan_memory`'s (``tensor_parallel_size`` among them: the search step does not
+    depend on it). Returns 0 when not even one multiple fits.
     """
     if "seq_len" in kwargs:
         raise TypeError("longest_sequence() searches seq_len; do not pass it")

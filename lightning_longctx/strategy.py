@@ -172,6 +172,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
         self._token_mean: TokenMeanWindow | None = None
         self._contexts: list[SequenceParallelContext] = []
         self._undo: list[Callable[[], None]] = []  # what teardown calls to restore the models' checkpointing
+        self._tp_gradients_checked = False  # the first optimizer step checks the replicated gradients (TP)
         self._batches_sharded = 0
         self._verified = False
         self._checked_batch = False
@@ -511,6 +512,8 @@ class UlyssesFPDTStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.layout.tp > 1 and not self._tp_gradients_checked:
+            closure = self._checking_replicated_gradients(closure)
         if not self._token_mean_active:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         window = self._token_mean
@@ -523,6 +526,20 @@ class UlyssesFPDTStrategy(DDPStrategy):
             return out
 
         return super().optimizer_step(optimizer, closure_then_normalise, model, **kwargs)
+
+    def _checking_replicated_gradients(self, closure: Any) -> Any:
+        """The first optimizer step's closure, then the check that every parameter the TP plan does not split
+        has the same gradient on all TP ranks (``tensor_parallel.check_replicated_gradients``): a model
+        whose plan misses a parameter is refused before its first update."""
+        from lightning_longctx.tensor_parallel import check_replicated_gradients
+
+        def closure_then_check() -> Any:
+            out = closure()
+            check_replicated_gradients(self.lightning_module.named_parameters(), self.tp_group)
+            self._tp_gradients_checked = True
+            return out
+
+        return closure_then_check
 
     @classmethod
     @override

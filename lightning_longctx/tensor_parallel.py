@@ -25,9 +25,21 @@ from typing import Any
 
 from torch import nn
 
-#: the plan styles checked exact against one process (tests/test_tensor_parallel.py): Llama, Qwen2, Qwen3, Mistral,
-#: Mixtral (experts: the packed gate/up column-wise, down row-wise, their sum all-reduced)
-TESTED_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "packed_colwise", "moe_tp_experts")
+#: the plan styles checked exact against one process: Llama, Qwen2, Qwen3, Mistral, Mixtral (experts: the packed
+#: gate/up column-wise, down row-wise, their sum all-reduced) in tests/test_tensor_parallel.py, and the 35 dense
+#: models of the architecture sweep that declare a plan (benchmarks/tp_sweep.py: Phi-3's and OLMo-2's gathered
+#: q/k/v, GPT-NeoX's row-split embedding, Granite-SWA's local sinks)
+TESTED_STYLES = (
+    "colwise",
+    "rowwise",
+    "replicated_with_grad_allreduce",
+    "packed_colwise",
+    "moe_tp_experts",
+    "colwise_gather_output",
+    "rowwise_split_input",
+    "embedding_rowwise",
+    "local_params",
+)
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -161,7 +173,8 @@ def local_head(head: nn.Module) -> tuple[Any, Any, Any]:
     weight, bias = head.weight, getattr(head, "bias", None)
     if not isinstance(weight, DTensor):
         return weight, bias, None
-    if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+    # only the tp mesh's rows are vocabulary blocks (FSDP2's dp x sp shards are gathered before forward)
+    if weight.device_mesh.mesh_dim_names != ("tp",) or tuple(weight.placements) != (Shard(0),):
         raise ValueError(
             f"the lm_head weight is a DTensor with placements {weight.placements} on mesh "
             f"{weight.device_mesh.mesh_dim_names}; the chunked loss takes a full weight or rows split over one "
@@ -193,3 +206,56 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
     for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def check_replicated_gradients(parameters: Any, tp_group: Any, rtol: float = 1e-4) -> None:
+    """Raise a ValueError naming the parameters not split by the plan whose gradients differ across the TP
+    ranks. Every TP rank computes a replicated parameter's function on the same replicated inputs, so its
+    gradient must be equal on all of them; a parameter that consumes split activations and is missing from
+    the model's plan (Apertus' learnable xIELU activation between its column- and row-wise MLP projections;
+    Qwen3's q/k norms without their plan entry) gets a partial one there, and training would silently
+    diverge from one device. One all-gather of two numbers per parameter over the TP group (every rank calls
+    it, with the same parameters in the same order), and one all-gather of the verdicts over the world."""
+    import torch
+    import torch.distributed as dist
+
+    named = [(n, p) for n, p in parameters if p.grad is not None]
+    replicated = [(n, p) for n, p in named if "tp" not in (_mesh_names(p) or ())]
+    if not replicated:
+        return
+    stats = torch.stack(
+        [
+            torch.stack([g.float().square().sum(), g.float().sum()])
+            for g in (_local(p.grad) for _, p in replicated)
+        ]
+    )
+    world = dist.get_world_size(tp_group)
+    gathered = [torch.empty_like(stats) for _ in range(world)]
+    dist.all_gather(gathered, stats.contiguous(), group=tp_group)
+    every = torch.stack(gathered)  # (tp, params, 2)
+    spread = (every.amax(0) - every.amin(0)).abs()
+    scale = every.abs().amax(0)
+    bad = [name for (name, _), s, m in zip(replicated, spread.tolist(), scale.tolist())
+           if any(d > rtol * x + 1e-30 for d, x in zip(s, m))]  # fmt: skip
+    # FSDP2 leaves a rank only its shard (a small parameter's can be empty): every rank learns every TP
+    # group's verdict, so all raise the same error or none does (no rank waits in the next collective)
+    every_bad = [None] * dist.get_world_size()
+    dist.all_gather_object(every_bad, bad)
+    bad = sorted({name for names in every_bad for name in names})
+    if bad:
+        raise ValueError(
+            f"tensor_parallel_size={world}: the gradients of {bad[:4]}{' ...' if len(bad) > 4 else ''} differ "
+            "across the tensor-parallel ranks: these parameters are not in the model's TP plan but consume "
+            "activations it splits (e.g. a learnable activation function between column- and row-wise "
+            "projections), so training would silently differ from one device. Use tensor_parallel_size=1 "
+            "(sequence parallelism alone) for this model"
+        )
+
+
+def _mesh_names(p: Any) -> tuple[str, ...] | None:
+    mesh = getattr(p, "device_mesh", None)
+    return None if mesh is None else mesh.mesh_dim_names
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t

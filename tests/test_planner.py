@@ -513,7 +513,7 @@ def test_the_strategy_config_plans_through_one_mapping():
 # ---------------------------------------------------------------------------------------------------
 
 
-def _layer_saved_bytes(tile_norms: bool) -> tuple[int, int]:
+def _layer_saved_bytes(tile_norms: bool, config: dict = TINY) -> tuple[int, int]:
     """(bytes decoder layer 0 saves for backward on the device, its tokens): a bf16 Llama in FPDT mode with
     offload (the attention chunks go to the host: left out), the layer's input left out (under
     checkpointing the checkpoint holds it), each storage counted once."""
@@ -521,7 +521,7 @@ def _layer_saved_bytes(tile_norms: bool) -> tuple[int, int]:
     from lightning_longctx.tiling import untile_mlp_
 
     torch.manual_seed(0)
-    model = _model(TINY).to(torch.bfloat16)
+    model = _model(config).to(torch.bfloat16)
     enable_sequence_parallel(model, mode="fpdt", chunk_size=64, offload=True)
     if not tile_norms:
         for m in model.modules():
@@ -549,7 +549,7 @@ def _layer_saved_bytes(tile_norms: bool) -> tuple[int, int]:
     inputs: set[int] = set()
     handles = [layer.register_forward_pre_hook(start, with_kwargs=True),
                layer.register_forward_hook(lambda *a: recording.__setitem__(0, False))]  # fmt: skip
-    ids = torch.randint(0, TINY["vocab_size"], (1, 256))
+    ids = torch.randint(0, config["vocab_size"], (1, 256))
     offload.ChunkStore.put = recording_put
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -630,6 +630,29 @@ def test_lora_trains_only_the_adapters():
         plan_memory(TINY, lora_rank=8, lora_targets=("qproj",), **kw)
 
 
+def test_lora_under_tensor_parallelism_counts_each_ranks_adapter_halves():
+    """With tp the adapters are split as the strategy splits them (tensor_parallel._through_adapters): B of
+    a column-wise layer and A of a row-wise one per rank; the count equals the real plan's local shards."""
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_longctx.tensor_parallel import check_tp
+
+    tp = 2
+    model = get_peft_model(_model(TINY), LoraConfig(r=8, target_modules="all-linear"))
+    inner = model.base_model.model
+    plan = check_tp(inner, tp)
+    local = 0
+    for name, p in inner.base_model.named_parameters():
+        if not p.requires_grad:
+            continue
+        style = plan.get(name)
+        dim = {"colwise": 0, "rowwise": p.dim() - 1}.get(style)
+        local += p.numel() if dim is None else p.numel() // p.shape[dim] * -(-p.shape[dim] // tp)
+    kw = {"seq_len": 4096, "sequence_parallel_size": 2, "data_parallel": "fsdp", "lora_rank": 8}
+    plan_tp = plan_memory(TINY, tensor_parallel_size=tp, **kw)
+    assert plan_tp.trainable_params == local < plan_memory(TINY, **kw).trainable_params
+
+
 def _frontier() -> Any:
     """benchmarks/bench_frontier.py: the published points and our settings for them (one list, printed there)."""
     import importlib.util
@@ -657,3 +680,220 @@ def test_the_published_frontier_fits(index):
         assert plan.fits is False and plan.binding == "device"
     else:
         assert plan.fits, plan.table()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tensor parallelism: the plan's shards, the activations per head and of the MLP / tp, the refusals
+# ---------------------------------------------------------------------------------------------------
+
+
+def _tp_local_numel(name: str, p: torch.Tensor, style: str | None, tp: int) -> int:
+    """One rank's elements of a parameter under a plan style (transformers' ``shard_param``): column-wise the
+    output dim (dim 1 of a 3-D expert tensor), row-wise the last dim (its bias replicated), else whole."""
+    if style in ("colwise", "packed_colwise"):
+        dim = 1 if p.dim() == 3 else 0
+    elif style == "rowwise" and not name.endswith("bias"):
+        dim = p.dim() - 1
+    else:
+        return p.numel()
+    return p.numel() // p.shape[dim] * -(-p.shape[dim] // tp)
+
+
+def _tp_local_counts(model: torch.nn.Module, tp: int, vocab_parallel: bool) -> tuple[int, int, int]:
+    """(all, block 0, outside the blocks) elements one tp rank holds: the model's concrete plan applied by rule,
+    the lm_head over the vocabulary when vocabulary parallel (tensor_parallel.vocab_parallel_head)."""
+    from lightning_longctx.tensor_parallel import tp_plan_of, vocab_parallel_head
+
+    plan = tp_plan_of(model)
+    local = {
+        f"model.{n}": _tp_local_numel(n, p, plan.get(n), tp) for n, p in model.base_model.named_parameters()
+    }
+    head = vocab_parallel_head(model, tp) if vocab_parallel else None
+    for n, p in model.named_parameters():
+        if n not in local:
+            local[n] = p.numel() // tp if head is not None and n.startswith(f"{head}.") else p.numel()
+    block = sum(v for n, v in local.items() if n.startswith("model.layers.0."))
+    root = sum(v for n, v in local.items() if not n.startswith("model.layers."))
+    return sum(local.values()), block, root
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("mode", ["fpdt", "ulysses"])
+def test_tensor_parallel_state_is_the_plans_local_shards(arch, mode):
+    """Per-rank parameters, gradients, AdamW state and FSDP's unsharded blocks at tp = 2 are the local shards
+    of the model's own plan (q/k/v/gate/up column-wise, o/down row-wise; norms, Qwen3's q/k norms and the
+    embedding whole; the untied lm_head over the vocabulary in FPDT mode only), then / (dp * sp) by FSDP."""
+    from hf_models import tiny_config, tiny_model
+
+    model, config = tiny_model(arch), tiny_config(arch)
+    local, block, root = _tp_local_counts(model, 2, vocab_parallel=mode == "fpdt")
+    chunk = 64 if mode == "fpdt" else None
+    for sp in (1, 2):
+        plan = plan_memory(config, seq_len=256, sequence_parallel_size=sp, tensor_parallel_size=2,
+                           data_parallel="fsdp", mode=mode, fpdt_chunk_size=chunk)  # fmt: skip
+        assert plan.local_params == local < plan.params == sum(p.numel() for p in model.parameters())
+        assert plan.vocab_parallel is (mode == "fpdt") and plan.tensor_parallel_size == 2
+        assert plan["weights"].largest == plan["gradients"].largest == -(-local // sp) * 4
+        assert plan["optimizer state"].device == 2 * -(-local // sp) * 4
+        # backward: the root and two blocks unsharded, one block's and the root's gradients (fp32, 32-true)
+        assert plan["FSDP unsharded params/grads"].largest == 4 * (root + 2 * block) + 4 * (2 * block + root)
+    if arch == "llama" and mode == "fpdt":  # the real plan applied on a 2-rank fake process group said so
+        assert local == 10912
+
+
+def test_tensor_parallel_splits_mixtrals_experts_not_its_router():
+    """Mixtral: the packed gate/up experts column-wise, down row-wise, the router (``mlp.gate``) and norms whole.
+    (plan_memory itself does not plan mixture-of-experts configs: their dims; this is its parameter count.)"""
+    from hf_models import tiny_config, tiny_model
+
+    from lightning_longctx.planner import _count_params, _TPSplit
+
+    model = tiny_model("mixtral")
+    total, block, root, _, _, split = _count_params(tiny_config("mixtral"))
+    local, local_block, local_root = _tp_local_counts(model, 2, vocab_parallel=True)
+    assert total == sum(p.numel() for p in model.parameters())
+    assert total - _TPSplit.removed(split.blocks, 2) - split.head // 2 == local == 24992  # fake process group
+    assert block - _TPSplit.removed(split.block, 2) == local_block
+    assert root - split.head // 2 == local_root
+    assert "moe_tp_experts" in split.styles and "packed_colwise" in split.styles
+
+
+def _tp_pair(config: dict, **kw: Any) -> tuple[Any, Any]:
+    base = {"seq_len": 4096, "sequence_parallel_size": 1, "data_parallel": "fsdp", **kw}
+    return plan_memory(config, tensor_parallel_size=1, **base), plan_memory(
+        config, tensor_parallel_size=2, **base
+    )
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "fpdt"])
+def test_tensor_parallel_halves_exactly_the_per_head_and_mlp_activations(mode):
+    """The planner's breakdown at tp = 2 against tp = 1: every layer's saved q/k/v/out, lse and o_proj input
+    (and, without FPDT's tiled MLP, its gate/act/up/act*up) halve; the residual stream, the norms and the
+    MLP's input do not. The all-to-all buffers halve."""
+    d, h, kv, inter, layers = (BENCH[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                                  "intermediate_size", "num_hidden_layers"))  # fmt: skip
+    hd, n = d // h, 4096
+    kw = {"mode": mode, "fpdt_chunk_size": 1024 if mode == "fpdt" else None}
+    one, two = _tp_pair(BENCH, **kw)  # 32-true: 4 bytes everywhere, P = 1: no kv replication
+    per_head = (2 * h + 2 * kv) * hd * 4 + 4 * h + h * hd * 4  # q, out, k, v; lse; o_proj input
+    mlp = 0 if mode == "fpdt" else 4 * inter * 4  # gate, act, up, act*up
+    acts = "activations kept for backward"
+    assert one[acts].largest - two[acts].largest == layers * n * (per_head + mlp) // 2
+    assert one["all-to-all buffers"].largest == 2 * two["all-to-all buffers"].largest
+    ckpt_one, ckpt_two = _tp_pair(BENCH, activation_checkpointing=True, **kw)
+    assert ckpt_one[acts].largest == ckpt_two[acts].largest  # checkpointed layer inputs: hidden width
+
+
+def test_the_recomputed_tp_layer_saves_what_a_tp_local_layer_saves():
+    """One decoder layer's saved tensors (exact, measured as above) of a layer with one TP rank's shapes: heads,
+    kv heads and intermediate width / 2, head_dim and hidden size kept (what the plan leaves a rank; its
+    all-reduces save nothing). Needs no processes; the planner at tp = 2 says the same bytes."""
+    tp_local = {
+        **TINY,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 80,
+        "head_dim": 16,
+    }
+    saved, tokens = _layer_saved_bytes(tile_norms=True, config=tp_local)
+    plan = plan_memory(TINY, seq_len=256, sequence_parallel_size=1, tensor_parallel_size=2, data_parallel="fsdp",
+                       mode="fpdt", fpdt_chunk_size=64, offload=True, activation_checkpointing=True,
+                       precision="bf16-true")  # fmt: skip
+    assert plan["layer recompute (checkpointing)"].largest == saved
+    d = TINY["hidden_size"]
+    assert saved == (8 * d - 2 * d // 2) * tokens  # the o_proj input (hidden width in TINY) halves
+
+
+def test_fpdt_loss_is_vocabulary_parallel_with_an_fp32_hidden_gradient():
+    """FPDT + tp: (chunk, V / tp) logits blocks, a (V / tp, H) fp32 head gradient, the hidden states' gradient in
+    fp32 during the loss backward; the default chunk covers the local rows. Ulysses keeps the full logits."""
+    kw = {"mode": "fpdt", "fpdt_chunk_size": 1024, "loss_chunk_size": 512, "precision": "bf16-mixed"}
+    one, two = _tp_pair(BENCH, **kw)  # the MixedPrecisionPolicy: bf16 hidden states
+    d, v, t = BENCH["hidden_size"], BENCH["vocab_size"], 4096
+    # fp32 block, bf16 gradient copy; the fp32 accumulator + the bf16 cast of the head; the hidden gradient
+    want_one = 512 * v * (4 + 2) + d * v * (4 + 2) + d * t * 2
+    want_two = 512 * (v // 2) * (4 + 2) + d * (v // 2) * (4 + 2) + d * t * 4
+    assert one["loss working set"].largest == want_one and two["loss working set"].largest == want_two
+    assert (
+        two.vocab_parallel and "(512 x 16,000) blocks (vocabulary parallel)" in two["loss working set"].note
+    )
+    assert two.loss_chunk_size == 512
+    default = plan_memory(BENCH, seq_len=4096, sequence_parallel_size=1, tensor_parallel_size=2,
+                          data_parallel="fsdp", mode="fpdt", fpdt_chunk_size=1024)  # fmt: skip
+    assert default.loss_chunk_size == 2048  # 128 MiB of fp32 (chunk, 16000) blocks, a multiple of 64
+    uly_one, uly_two = _tp_pair(BENCH)
+    assert (
+        not uly_two.vocab_parallel
+        and uly_one["loss working set"].largest == uly_two["loss working set"].largest
+    )
+    tied = {**BENCH, "tie_word_embeddings": True}
+    assert not _tp_pair(tied, **kw)[1].vocab_parallel  # tied to the embedding: replicated
+
+
+def test_parallel_kwargs_plans_tensor_parallelism_and_the_refusals_name_the_rule():
+    from lightning_longctx.config import SequenceParallelConfig
+    from lightning_longctx.planner import parallel_kwargs
+
+    cfg = SequenceParallelConfig(tensor_parallel_size=2, data_parallel="fsdp", fpdt_chunk_size=1024).resolve(
+        world_size=8, devices_per_node=8, device_type="cpu"
+    )
+    kw = parallel_kwargs(cfg)
+    assert (
+        kw["tensor_parallel_size"] == 2
+        and kw["sequence_parallel_size"] == 4
+        and kw["data_parallel_size"] == 1
+    )
+    plan = plan_memory(BENCH, seq_len=16384, **kw)
+    assert plan.tensor_parallel_size == 2 and "sp 4 x tp 2 x dp 1" in plan.table()
+    assert plan.to_dict()["tensor_parallel_size"] == 2 and plan.devices_per_host == 8
+    base = {"seq_len": 4096, "sequence_parallel_size": 2, "tensor_parallel_size": 2}
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=2 with data_parallel='ddp'.*data_parallel='fsdp'"
+    ):
+        plan_memory(BENCH, **base)
+    with pytest.raises(
+        ValueError, match=r"must divide LlamaForCausalLM's attention heads \(4\) and key/value heads \(2\)"
+    ):
+        plan_memory(TINY, **{**base, "tensor_parallel_size": 4}, data_parallel="fsdp")
+    # GPT-NeoX's row-split embedding is an accepted style (benchmarks/tp_sweep.py); the planner keeps it whole
+    assert plan_memory(NON_GATED, **base, data_parallel="fsdp").tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size=0"):
+        plan_memory(BENCH, **{**base, "tensor_parallel_size": 0}, data_parallel="fsdp")
+
+
+def test_cli_plans_a_tensor_parallel_config(tmp_path, capsys):
+    """``lightning-longctx plan`` on a config whose strategy sets ``tensor_parallel_size`` (through
+    parallel_kwargs: no CLI flag, as for sp)."""
+    import yaml
+
+    config = {
+        "trainer": {"accelerator": "gpu", "devices": 8, "precision": "bf16-mixed",
+                    "strategy": {"class_path": "lightning_longctx.UlyssesFPDTStrategy",
+                                 "init_args": {"tensor_parallel_size": 2, "data_parallel": "fsdp",
+                                               "fpdt_chunk_size": 16384, "activation_checkpointing": True}}},
+        "model": {"init_args": {"model_config": LLAMA3_8B}},
+        "data": {"init_args": {"seq_len": 1 << 20}},
+    }  # fmt: skip
+    path = tmp_path / "tp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["plan", "--config", str(path), "--device-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "1,048,576 tokens, sp 4 x tp 2 x dp 1, FPDT chunk 16,384" in out and "vocab-parallel lm_head" in out
+    )
+    assert "longest sequence within 80.00 GiB per device" in out
+    assert main(["plan", "--config", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (
+        data["tensor_parallel_size"] == 2 and data["sequence_parallel_size"] == 4 and data["vocab_parallel"]
+    )
+
+
+def test_tensor_parallelism_lengthens_the_8b_sequence():
+    """Llama-3-8B on 80 GiB devices (FSDP, bf16-mixed, FPDT chunk 16K, checkpointing): at the same sp, tp = 2
+    and 4 fit longer sequences (the per-head and MLP activations and the state / tp), pinned."""
+    kw = {"device_memory": "80GiB", "sequence_parallel_size": 4, "mode": "fpdt", "fpdt_chunk_size": 16384,
+          "precision": "bf16-mixed", "data_parallel": "fsdp", "activation_checkpointing": True}  # fmt: skip
+    found = {tp: longest_sequence(LLAMA3_8B, tensor_parallel_size=tp, **kw) for tp in (1, 2, 4)}
+    assert found == {1: 524288, 2: 720896, 4: 851968}
+    assert found[1] <= found[2] <= found[4]

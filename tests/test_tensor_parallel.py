@@ -157,13 +157,25 @@ def test_refusals_name_the_rule():
         check_tp(get_peft_model(tiny_model("llama"), dora).base_model.model, 2)
 
 
-def test_the_planner_refuses_tensor_parallelism():
-    from lightning_longctx.config import SequenceParallelConfig
-    from lightning_longctx.planner import parallel_kwargs
+def _plan_miss() -> object:
+    """Apertus' learnable xIELU activation (alpha_p, alpha_n) sits between its column-wise up_proj and
+    row-wise down_proj and is not in its Hugging Face plan: its gradients are partial over the TP group."""
+    from fuzz_strategy import StratCase
 
-    cfg = SequenceParallelConfig(tensor_parallel_size=2, data_parallel="fsdp", sequence_parallel_size=2)
-    with pytest.raises(ValueError, match="does not model tensor parallelism yet"):
-        parallel_kwargs(cfg.resolve(world_size=8, devices_per_node=8, device_type="cuda"))
+    return StratCase(
+        arch="apertus", world=4, sp=2, seq=24, data_parallel="fsdp", tensor_parallel_size=2, seed=1
+    )
+
+
+def test_a_parameter_the_plan_misses_is_refused_before_the_first_update(dist_pool):
+    from fuzz_common import run_verdict
+    from fuzz_strategy import TIMEOUT_S, run_strategy
+
+    verdict = run_verdict(dist_pool, 4, run_strategy, _plan_miss(), 1e-5, TIMEOUT_S)
+    assert verdict.kind == "refused", verdict  # every rank raised the same error: none waits in a collective
+    assert (
+        "mlp.act_fn.alpha_n" in verdict.detail and "differ across the tensor-parallel ranks" in verdict.detail
+    )
 
 
 def _round_trip() -> dict:
