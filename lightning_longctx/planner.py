@@ -261,9 +261,7 @@ def _summed(pairs: list[tuple[int, int]]) -> _Split:
 
 def _tp_split(model: Any, blocks: list[Any]) -> _TPSplit:
     """Each parameter's tensor-parallel split by the model's own plan (works on the meta device)."""
-    import torch
-
-    from lightning_longctx.tensor_parallel import tp_plan_of
+    from lightning_longctx.tensor_parallel import tp_plan_of, vocab_parallel_head
 
     plan = tp_plan_of(model)
     split = {}  # id(param) -> (rows, elements per row)
@@ -273,14 +271,13 @@ def _tp_split(model: Any, blocks: list[Any]) -> _TPSplit:
             split[id(p)] = (p.shape[dim], p.numel() // p.shape[dim])
     sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     largest = blocks[sizes.index(max(sizes))] if blocks else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    splittable = isinstance(head, torch.nn.Linear) and (embed is None or embed.weight is not head.weight)
+    # the strategy's rule for an lm_head that can split (untied, linear); vocab % tp is checked per plan
+    head = model.get_output_embeddings() if vocab_parallel_head(model, 1) is not None else None
     return _TPSplit(
         styles=tuple(sorted(set(plan.values()))),
         blocks=_summed([split[id(p)] for b in blocks for p in b.parameters() if id(p) in split]),
         block=_summed([split[id(p)] for p in largest.parameters() if id(p) in split] if largest else []),
-        head=sum(p.numel() for p in head.parameters()) if splittable else 0,
+        head=0 if head is None else sum(p.numel() for p in head.parameters()),
     )
 
 

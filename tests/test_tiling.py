@@ -155,8 +155,9 @@ def _loss_pair(hidden, weight, bias, labels, kw, chunk):
     return out
 
 
-def _check_loss(case: str, chunk: int) -> float:
-    """Run on every rank of the pool with this rank's shard; max abs difference of loss and grads."""
+def _loss_inputs(case: str) -> tuple:
+    """``(hidden (2, 24, 8), weight (40, 8), bias or None, labels (2, 24), logit kwargs)`` in float64, the
+    same on every rank; every third target ignored."""
     g = torch.Generator().manual_seed(0)
     bsz, n, hid, vocab = 2, 24, 8, 40
     hidden = torch.randn(bsz, n, hid, generator=g, dtype=torch.float64)
@@ -164,9 +165,13 @@ def _check_loss(case: str, chunk: int) -> float:
     bias = torch.randn(vocab, generator=g, dtype=torch.float64) if case == "bias" else None
     labels = torch.randint(0, vocab, (bsz, n), generator=g)
     labels[:, ::3] = -100
-    kw: dict = {}
-    if case == "scale_softcap":
-        kw = dict(logit_scale=0.7, softcap=3.0)
+    kw = dict(logit_scale=0.7, softcap=3.0) if case == "scale_softcap" else {}
+    return hidden, weight, bias, labels, kw
+
+
+def _check_loss(case: str, chunk: int) -> float:
+    """Run on every rank of the pool with this rank's shard; max abs difference of loss and grads."""
+    hidden, weight, bias, labels, kw = _loss_inputs(case)
     if case == "rank0_all_ignored" and dist.get_rank() == 0:
         labels[:] = -100
     h, y = shard_sequence(hidden), shard_sequence(labels)
@@ -203,21 +208,15 @@ def _check_vocab_parallel(chunk: int, vocab_ranks: int) -> dict[str, float]:
 
 def _vocab_parallel_error(case, chunk, vocab_ranks, vocab_group, sp_group) -> float:
     rank = dist.get_rank()
-    g = torch.Generator().manual_seed(0)
-    bsz, n, hid, vocab = 2, 24, 8, 40
-    hidden = torch.randn(bsz, n, hid, generator=g, dtype=torch.float64)
-    weight = torch.randn(vocab, hid, generator=g, dtype=torch.float64)
-    bias = torch.randn(vocab, generator=g, dtype=torch.float64) if case == "bias" else None
-    labels = torch.randint(0, vocab, (bsz, n), generator=g)
-    labels[:, ::3] = -100
+    hidden, weight, bias, labels, kw = _loss_inputs(case)
+    vocab = weight.shape[0]
     labels[0, 1:6] = 1  # targets all in the first rank's block
-    kw = dict(logit_scale=0.7, softcap=3.0) if case == "scale_softcap" else {}
     h, y = shard_sequence(hidden, group=sp_group), shard_sequence(labels, group=sp_group)
     rows = slice(rank % vocab_ranks * vocab // vocab_ranks, (rank % vocab_ranks + 1) * vocab // vocab_ranks)
     out = []
-    for w_full, shard in ((weight, False), (weight, True)):
+    for shard in (False, True):
         hh = h.clone().requires_grad_()
-        w = (w_full[rows] if shard else w_full).clone().requires_grad_()
+        w = (weight[rows] if shard else weight).clone().requires_grad_()
         b = None if bias is None else (bias[rows] if shard else bias).clone().requires_grad_()
         loss = chunked_lm_head_cross_entropy(
             hh,
