@@ -47,6 +47,11 @@ def _text_config(model: nn.Module) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def _entries(name: str, module: nn.Module, style: str) -> dict[str, str]:
+    """A plan's entries for one module: its forward and its own parameters, all in ``style``."""
+    return {name: style, **{f"{name}.{p}": style for p, _ in module.named_parameters(recurse=False)}}
+
+
 def tp_plan_of(model: nn.Module) -> dict[str, str]:
     """The model's plan with concrete names of its base model: each matched module and its own parameters."""
     plan = getattr(_text_config(model), "base_model_tp_plan", None) or {}
@@ -57,8 +62,7 @@ def tp_plan_of(model: nn.Module) -> dict[str, str]:
         rx = re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$")
         for name, module in base.named_modules():
             if rx.match(name):  # the module's forward, and its own parameters unless named themselves
-                out[name] = style
-                out.update({f"{name}.{p}": style for p, _ in module.named_parameters(recurse=False)})
+                out.update(_entries(name, module, style))
         named.update({name: style for name, _ in base.named_parameters() if rx.match(name)})
     return _through_adapters(base, {**out, **named})
 
@@ -75,8 +79,6 @@ def _through_adapters(base: nn.Module, plan: dict[str, str]) -> dict[str, str]:
         if name not in plan or not hasattr(module, "base_layer"):
             continue
         style = out.pop(name)
-        for p, _ in module.named_parameters(recurse=False):
-            out.pop(f"{name}.{p}", None)
         if style not in split or getattr(module, "lora_variant", None) or not hasattr(module, "lora_A"):
             raise ValueError(
                 f"{name}: an adapter layer ({type(module).__name__}) on a {style!r} layer of the tensor-parallel "
@@ -89,13 +91,9 @@ def _through_adapters(base: nn.Module, plan: dict[str, str]) -> dict[str, str]:
                 f"{name}: lora_dropout > 0 under tensor_parallel_size: the TP ranks would each draw their own mask "
                 "on the input they share (diverging replicated adapter weights); set lora_dropout=0.0"
             )
-        base_layer = f"{name}.base_layer"
-        out[base_layer] = style
-        out.update({f"{base_layer}.{p}": style for p, _ in module.base_layer.named_parameters(recurse=False)})
+        out.update(_entries(f"{name}.base_layer", module.base_layer, style))
         for adapter, half in getattr(module, split[style]).items():
-            path = f"{name}.{split[style]}.{adapter}"
-            out[path] = style
-            out.update({f"{path}.{p}": style for p, _ in half.named_parameters(recurse=False)})
+            out.update(_entries(f"{name}.{split[style]}.{adapter}", half, style))
     return out
 
 
@@ -159,8 +157,9 @@ def apply_tp_plan(model: nn.Module, tp_mesh: Any, *, tp: int, vocab_parallel: bo
     apply_tensor_parallelism(model.base_model, tp_mesh, plan)
     head = vocab_parallel_head(model, tp) if vocab_parallel else None
     if head is not None:
-        params = [f"{head}.{p}" for p, _ in model.get_submodule(head).named_parameters(recurse=False)]
-        apply_tensor_parallelism(model, tp_mesh, dict.fromkeys([head, *params], "colwise_gather_output"))
+        apply_tensor_parallelism(
+            model, tp_mesh, _entries(head, model.get_submodule(head), "colwise_gather_output")
+        )
     return model
 
 
