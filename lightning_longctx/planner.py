@@ -54,6 +54,21 @@ config's dims, ``w`` the (master) parameter bytes, ``pw`` the bytes of the param
   over tp; those per head (q/k/v, out, lse, the o_proj input, the all-to-all buffers, the attention working
   set: ``H/tp`` heads before the sp split) and the MLP's intermediates are ``/ tp``.
 
+* **hybrid models** (layer kinds from ``config.layer_types`` / ``layers_block_type``, or the model type when
+  attention-free): gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-hybrid) and Mamba-2 layers (Mamba2, Bamba,
+  Falcon-H1, whose layers run attention and Mamba-2 side by side; Granite-4 hybrid and Nemotron-H as far as
+  they are not mixture-of-experts configs, which are refused) keep their
+  own activations instead of attention's; the attention terms count the attention layers only, and Mamba-2
+  blocks have no MLP. Per token, what HF's torch fallbacks save (``_gdn_token_bytes`` /
+  ``_mamba2_token_bytes``, within 10 % of a measured mixer forward, tests/test_planner.py), with the package's
+  state-passing adapters: the projections' inputs, the conv's input and output, fp32 copies of q/k/v (x, B,
+  C) and their chunked forms, ``5 * heads * 64`` (GDN; Mamba-2: ``3 * heads * chunk``) fp32 intra-chunk
+  matrix entries, one state per chunk (GDN: ``heads * dk * (dv + dk)`` with the identity columns), the gated
+  norm and out_proj inputs. These layers have no all-to-all: their **state exchange buffers** are the
+  all-gathered fp32 per-segment summaries (GDN ``heads * dk * (dk + dv)``, Mamba-2 ``heads * (1 + p * n)``
+  per segment, ``P`` segments, ``P * chunks`` with FPDT). With checkpointing the heaviest layer kind is the
+  one recomputed.
+
 The peak is the largest of five phases: the last layer's forward and the loss forward (with the
 previous step's gradients still allocated: Lightning frees them between forward and backward), the
 loss backward, the last layer's backward, and the optimizer step. A layer phase is the larger of its
@@ -77,7 +92,12 @@ the table.
 What it does not model: mixture-of-experts layers (their TP split is counted, ``_count_params``; their
 configs are refused), non-RMSNorm norms and fused qkv projections (counted
 as Llama's), LoRA's rank-r activations, and gradient accumulation (gradients then persist through
-backward: add ``gradients`` to the peak).
+backward: add ``gradients`` to the peak). Hybrids: the recurrent layers' saved bytes are the torch
+fallbacks' (fla / mamba-ssm kernels on GPU save far less: the plan is then an upper bound); their backward
+working set (gradients of the fp32 chunk tensors) is not counted; the layer phases are the last attention
+layer's with every layer's activations alive; tensor parallelism of hybrids, and the recurrent kinds MiniMax
+lightning attention, Kimi delta attention, Mamba-1, RG-LRU, RWKV, xLSTM, Zamba2's shared blocks and LFM2's
+convolutions are refused with the kind named.
 """
 
 from __future__ import annotations
@@ -142,6 +162,7 @@ _ORDER = (
     "attention working set",
     "MLP working set",
     "all-to-all buffers",
+    "state exchange buffers",
     "layer recompute (checkpointing)",
 )
 
@@ -200,6 +221,9 @@ class _Shape:
     softcap: bool  # a final-logit soft-cap (Gemma-2): the chunked loss backward keeps two blocks
     block_linears: tuple[tuple[str, int, int], ...]  # one block's nn.Linear: (name, in, out), for LoRA
     tp: _TPSplit  # how the model's tensor-parallel plan splits its parameters
+    blocks: tuple[_Block, ...] = ()  # each decoder layer's mixers (hybrid models); empty: all Llama blocks
+    gdn: _GDNDims | None = None  # the gated DeltaNet layers' dims, when the model has some
+    mamba2: _Mamba2Dims | None = None  # the Mamba-2 layers' dims, when the model has some
 
 
 #: ``(rows along the split dim, elements per row)`` of parameters split over tp, summed per row count
@@ -223,6 +247,171 @@ class _TPSplit:
     def removed(split: _Split, tp: int) -> int:
         """Elements of ``split`` one rank does not hold when split ``tp`` ways."""
         return sum((n - -(-n // tp)) * rest for n, rest in split)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layer kinds: which mixer each decoder layer runs (hybrid models)
+# ---------------------------------------------------------------------------------------------------
+
+ATTENTION, GATED_DELTANET, MAMBA2 = "attention", "gated_deltanet", "mamba2"
+#: models whose ``linear_attention`` layers are gated DeltaNet (``torch_chunk_gated_delta_rule``)
+_GDN_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next",
+                              "olmo_hybrid"})  # fmt: skip
+#: models whose ``linear_attention`` (``mamba``) layers are Mamba-2 SSD (``mamba2_chunk_scan``)
+_MAMBA2_MODEL_TYPES = frozenset({"mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h"})
+#: models (or layer kinds) whose recurrent layers the planner does not model, and what they run
+_UNMODELLED = {
+    "minimax": "MiniMax lightning attention",
+    "kimi_linear": "Kimi delta attention (with MLA attention)",
+    "mamba": "Mamba-1 selective scan",
+    "falcon_mamba": "Mamba-1 selective scan",
+    "jamba": "Mamba-1 selective scan",
+    "recurrent_gemma": "RG-LRU recurrence",
+    "rwkv": "RWKV time mixing",
+    "xlstm": "xLSTM (mLSTM) recurrence",
+    "zamba2": "Zamba2 shared hybrid blocks",
+    "lfm2": "LFM2 short convolutions",
+}
+#: the chunk of HF's ``torch_chunk_gated_delta_rule`` (its callers leave the default)
+GDN_CHUNK_SIZE = 64
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One decoder layer: its token mixers (Falcon-H1 runs attention and Mamba-2 side by side on one norm's
+    output) and whether an MLP (with its own norm) follows (Mamba-2's blocks have none)."""
+
+    mixers: tuple[str, ...]
+    mlp: bool = True
+
+
+_LLAMA_BLOCK = _Block((ATTENTION,))
+
+
+@dataclass(frozen=True)
+class _GDNDims:
+    """A gated DeltaNet layer: ``key_heads`` q/k heads of ``dk``, ``heads`` value heads of ``dv`` (q/k are
+    repeated to them), a causal conv of ``conv`` taps over q, k, v, chunks of ``chunk`` tokens."""
+
+    key_heads: int
+    heads: int
+    dk: int
+    dv: int
+    conv: int
+    chunk: int = GDN_CHUNK_SIZE
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv (q, k, v): ``in_proj_qkv``'s width."""
+        return 2 * self.key_heads * self.dk + self.heads * self.dv
+
+
+@dataclass(frozen=True)
+class _Mamba2Dims:
+    """A Mamba-2 layer: ``heads`` of ``head_dim`` (``inner`` = their product), state size ``state`` shared by
+    ``groups`` groups of heads (B, C), a causal conv of ``conv`` taps over x, B, C, SSD chunks of ``chunk``."""
+
+    heads: int
+    head_dim: int
+    state: int
+    groups: int
+    conv: int
+    chunk: int
+    inner: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: x, B and C."""
+        return self.inner + 2 * self.groups * self.state
+
+
+def _refuse_kind(config: Any, kind: str) -> None:
+    raise ValueError(
+        f"{type(config).__name__} has {kind} layers, which plan_memory does not model (it knows attention, "
+        "gated DeltaNet and Mamba-2 layers); plan a model of those kinds, or measure this one"
+    )
+
+
+def _layer_types(config: Any) -> list[str] | None:
+    """The per-layer kinds the config declares (``layer_types``, else ``layers_block_type``)."""
+    for name in ("layer_types", "layers_block_type"):
+        kinds = getattr(config, name, None)
+        if kinds is not None:
+            return [str(k) for k in kinds]
+    return None
+
+
+def _block_of(config: Any, kind: str) -> _Block:
+    """One layer kind of a config as a :class:`_Block` (a ValueError naming a kind it does not model)."""
+    model_type = getattr(config, "model_type", "")
+    if kind == "linear_attention" or kind == "mamba":
+        if model_type in _GDN_MODEL_TYPES:
+            return _Block((GATED_DELTANET,))
+        if model_type in _MAMBA2_MODEL_TYPES:  # Mamba-2 and Nemotron-H blocks are the mixer alone
+            return _Block((MAMBA2,), mlp=model_type not in ("mamba2", "nemotron_h"))
+        _refuse_kind(config, f"{kind!r} ({model_type})")
+    if kind == "hybrid" and model_type == "falcon_h1":
+        return _Block((ATTENTION, MAMBA2))
+    if kind == "mlp" and model_type == "nemotron_h":
+        return _Block((), mlp=True)
+    if kind.endswith("attention") and kind != "linear_attention":
+        return _Block((ATTENTION,), mlp=model_type != "nemotron_h")
+    _refuse_kind(config, repr(kind))
+    raise AssertionError  # unreachable: _refuse_kind raises
+
+
+def _blocks_of(config: Any) -> tuple[_Block, ...]:
+    """Each decoder layer's :class:`_Block`; ``()`` for a model of Llama blocks only. Recurrent kinds the
+    planner does not model are refused here, naming the kind, before anything counts them as attention."""
+    model_type = getattr(config, "model_type", "")
+    if model_type in _UNMODELLED:
+        _refuse_kind(config, _UNMODELLED[model_type])
+    kinds = _layer_types(config)
+    if model_type == "mamba2":  # attention-free: every layer is a Mamba-2 block
+        kinds = ["mamba"] * int(config.num_hidden_layers)
+    if kinds is None:
+        return ()
+    blocks = tuple(_block_of(config, kind) for kind in kinds)
+    return () if all(b == _LLAMA_BLOCK for b in blocks) else blocks
+
+
+def _gdn_dims(config: Any) -> _GDNDims:
+    return _GDNDims(key_heads=int(config.linear_num_key_heads), heads=int(config.linear_num_value_heads),
+                    dk=int(config.linear_key_head_dim), dv=int(config.linear_value_head_dim),
+                    conv=int(config.linear_conv_kernel_dim))  # fmt: skip
+
+
+def _mamba2_dims(config: Any) -> _Mamba2Dims:
+    """The Mamba-2 fields, under each family's names (Mamba2 / Nemotron-H, or Bamba / Granite / Falcon-H1's
+    ``mamba_*``)."""
+
+    def get(*names: str) -> int:
+        value = next((getattr(config, n) for n in names if getattr(config, n, None) is not None), None)
+        if value is None:
+            raise ValueError(
+                f"{type(config).__name__} lacks {names[0]!r}: its Mamba-2 layers cannot be planned"
+            )
+        return int(value)
+
+    d = int(config.hidden_size)
+    heads, head_dim = (
+        get("mamba_n_heads", "mamba_num_heads", "num_heads"),
+        get("mamba_d_head", "mamba_head_dim", "head_dim"),
+    )
+    inner = getattr(config, "mamba_d_ssm", None) or heads * head_dim or get("mamba_expand", "expand") * d
+    return _Mamba2Dims(heads=heads, head_dim=head_dim, state=get("mamba_d_state", "ssm_state_size", "state_size"),
+                       groups=get("mamba_n_groups", "n_groups"), conv=get("mamba_d_conv", "conv_kernel"),
+                       chunk=get("mamba_chunk_size", "chunk_size"), inner=int(inner))  # fmt: skip
+
+
+def _mixer_matmul_params(d: int, g: _GDNDims | None, m2: _Mamba2Dims | None, kind: str) -> int:
+    """Weights of one recurrent mixer's projections (what autocast casts): GDN's in_proj_qkv, z, b, a and
+    out_proj; Mamba-2's in_proj (x, z, B, C, dt) and out_proj."""
+    if kind == GATED_DELTANET and g is not None:
+        return d * (g.conv_dim + g.heads * g.dv + 2 * g.heads) + g.heads * g.dv * d
+    if kind == MAMBA2 and m2 is not None:
+        return d * (2 * m2.inner + 2 * m2.groups * m2.state + m2.heads) + m2.inner * d
+    return 0
 
 
 def _as_config(config: Any) -> Any:
@@ -319,11 +508,47 @@ def _shape_cached(config_json: str, model_type: str) -> _Shape:
     return _shape_of(AutoConfig.for_model(model_type, **fields))
 
 
+def _hybrid_dims(text: Any, blocks: tuple[_Block, ...]) -> tuple[int, int, int, int, int, int, int]:
+    """(d, L, H, H_kv, hd, I, V) of a hybrid config; an attention-free one (Mamba-2) has no attention or MLP
+    fields: one placeholder head of width 0 and no MLP, so the attention and MLP terms count nothing."""
+    if any(ATTENTION in b.mixers for b in blocks):
+        return _dims(text)
+    if getattr(text, "num_experts_per_tok", None) is not None or getattr(text, "num_local_experts", None):
+        raise ValueError(
+            f"{type(text).__name__} is a mixture-of-experts config; plan_memory does not model experts"
+        )
+    d, layers, vocab = int(text.hidden_size), int(text.num_hidden_layers), int(text.vocab_size)
+    return d, layers, 1, 1, 0, int(getattr(text, "intermediate_size", 0) or 0), vocab
+
+
+def _hybrid_matmul_params(dims: tuple[int, ...], blocks: tuple[_Block, ...], gated: bool,
+                          gdn: _GDNDims | None, m2: _Mamba2Dims | None) -> int:  # fmt: skip
+    """The matmul weights of a hybrid model, layer by layer: each block's mixers' and MLP's, and the head."""
+    d, _, heads, kv_heads, head_dim, inter, vocab = dims
+    attention = 2 * d * head_dim * (heads + kv_heads)
+    mlp = (3 if gated else 2) * d * inter
+    total = d * vocab
+    for block in blocks:
+        total += mlp if block.mlp else 0
+        for kind in block.mixers:
+            total += attention if kind == ATTENTION else _mixer_matmul_params(d, gdn, m2, kind)
+    return total
+
+
 def _shape_of(config: Any) -> _Shape:
     text = _text_config(config)
-    d, layers, heads, kv_heads, head_dim, inter, vocab = _dims(text)
+    blocks = _blocks_of(text)  # refuses the recurrent kinds it does not model, naming them
+    kinds = {kind for b in blocks for kind in b.mixers}
+    gdn = _gdn_dims(text) if GATED_DELTANET in kinds else None
+    m2 = _mamba2_dims(text) if MAMBA2 in kinds else None
+    d, layers, heads, kv_heads, head_dim, inter, vocab = dims = (
+        _hybrid_dims(text, blocks) if blocks else _dims(text)
+    )
     gated = getattr(text, "model_type", None) not in _NON_GATED_MODEL_TYPES
-    n_matmul = matmul_params(text, gated_mlp=gated)
+    if blocks:
+        n_matmul = _hybrid_matmul_params(dims, blocks, gated, gdn, m2)
+    else:
+        n_matmul = matmul_params(text, gated_mlp=gated)
     try:
         total, block, root, name, linears, tp = _count_params(config)
     except Exception:  # a model transformers cannot build: count the Llama-style weights (and plan)
@@ -339,7 +564,8 @@ def _shape_of(config: Any) -> _Shape:
         styles = tuple(sorted(set((getattr(text, "base_model_tp_plan", None) or {}).values())))
         tp = _TPSplit(styles, tuple((n, rest * layers) for n, rest in one), one, 0 if tied else d * vocab)
     return _Shape(d, layers, heads, kv_heads, head_dim, inter, vocab, gated, total, block, root, n_matmul,
-                  d * vocab, name, bool(getattr(text, "final_logit_softcapping", None)), linears, tp)  # fmt: skip
+                  d * vocab, name, bool(getattr(text, "final_logit_softcapping", None)), linears, tp,
+                  blocks, gdn, m2)  # fmt: skip
 
 
 def _shape(config: Any) -> _Shape:
@@ -636,6 +862,25 @@ class _Layout:
         return self.mode == "fpdt"
 
     @property
+    def blocks(self) -> tuple[_Block, ...]:
+        """Each decoder layer's mixers and MLP (all Llama blocks unless the model is a hybrid)."""
+        return self.shape.blocks or (_LLAMA_BLOCK,) * self.shape.layers
+
+    @property
+    def attention_layers(self) -> int:
+        return sum(ATTENTION in b.mixers for b in self.blocks)
+
+    @property
+    def mlp_layers(self) -> int:
+        return sum(b.mlp for b in self.blocks)
+
+    @property
+    def segments(self) -> int:
+        """Segments of one sequence the recurrent mixers' state scan runs over: one per rank, one per local
+        FPDT chunk in the FPDT layout."""
+        return self.sp * (self.t // (self.b * self.chunk) if self.fpdt else 1)
+
+    @property
     def casting(self) -> bool:
         """Autocast makes (and linear saves) low-precision copies of the weights and inputs (not of the
         MixedPrecisionPolicy's bf16 parameters: they are in the matmul dtype already)."""
@@ -855,8 +1100,7 @@ def _autocast_weight_copies(lay: _Layout) -> _Term:
     chunk instead (their working sets count those)."""
     if not lay.casting:
         return _Term("autocast weight copies", 0)
-    s = lay.shape
-    cast_params = lay.matmul_local - (s.layers * lay.mlp_weights + lay.head_local if lay.fpdt else 0)
+    cast_params = lay.matmul_local - (lay.mlp_layers * lay.mlp_weights + lay.head_local if lay.fpdt else 0)
     return _Term("autocast weight copies", cast_params * lay.m,
                  note=f"{lay.m}-byte casts of the weights linear keeps for backward")  # fmt: skip
 
@@ -877,19 +1121,84 @@ def _norm_bytes(lay: _Layout) -> int:
     return (lay.r if lay.fpdt else 4 + lay.r) * lay.shape.d * lay.t
 
 
-def _layer_attention_bytes(lay: _Layout) -> int:
-    """One layer's saved tensors up to its MLP: the first RMSNorm's, the q/k/v projections' inputs (autocast
-    casts the normed input once per projection), the attention store and the o_proj input."""
+def _gdn_token_bytes(g: _GDNDims, m: int, pw: int, casting: bool, adapter: bool) -> float:
+    """Bytes a gated DeltaNet mixer saves for backward per token, after its input (the projections' inputs are
+    the layer's), with HF's torch fallback ``torch_chunk_gated_delta_rule`` (measured: tests/test_planner.py).
+
+    ``adapter``: under this package's state passing (``hybrid/delta_rule.py``) the kernel runs on values
+    ``[v | 0_dk]`` (``dv + dk`` wide) and the correction keeps ``R`` in fp32. The kernel works in fp32: the
+    q/k/v copies and their normalised, scaled, decayed and chunked forms, the ``(c x c)`` intra-chunk matrices
+    per head (pairwise decays, ``k_beta kᵀ``, ``q kᵀ``, the UT system, the masked attention; autocast runs
+    ``k_beta kᵀ``/``q kᵀ`` and re-casts the attention per chunk in bf16) and the state after every chunk its
+    sequential loop keeps."""
+    h, dk, c = g.heads, g.dk, g.chunk
+    dv = g.dv + (dk if adapter else 0)
+    k = m if casting else 4  # the dtype of the kernel's matmul products and operand copies
+    conv = 2 * g.conv_dim * m  # in_proj_qkv's output (the conv's input) and the conv's output (silu's input)
+    gates = h * m + 8 * h * 4  # beta; fp32 decay g, softplus, l2norm rsqrts, cumulative decays
+    copies = 4 * h * (10 * dk + 3 * dv)  # fp32 q/k forms (10 of d_k), v, the UT-solved values, v_new
+    chunk_mats = h * c * (3 * 4 + 2 * k + (m if casting else 0))  # (c x c) per head per chunk
+    states = 4 * h * dk * dv / c  # one (dk, dv') state per chunk
+    norm = h * g.dv * (3 * 4 + m + pw) + 4 * h  # the gated RMSNorm (fp32 in, normed, silu(z)), out_proj input
+    out_proj = h * g.dv * m
+    correction = 4 * h * dk if adapter else 0
+    return conv + gates + copies + chunk_mats + states + norm + out_proj + correction
+
+
+def _mamba2_token_bytes(s: _Mamba2Dims, m: int, casting: bool, adapter: bool) -> float:
+    """Bytes a Mamba-2 mixer saves for backward per token, after its input, with HF's torch fallback
+    ``mamba2_chunk_scan`` (measured: tests/test_planner.py).
+
+    The SSD works in fp32: x, B and C (repeated to every head) and their einsum operand copies, the ``(c x c)``
+    per-head matrices ``L = exp(segsum)``, ``G = C Bᵀ`` and ``M = G L`` (autocast: the einsums' in bf16), and
+    the chunk states. ``adapter``: this package's closed-form entry-state correction (``hybrid/mamba2.py``)
+    keeps the fp32 read-out ``S_in C_t``, C and the decays."""
+    h, p, n, c, inner = s.heads, s.head_dim, s.state, s.chunk, s.inner
+    k = m if casting else 4
+    # the conv's input (in_proj's whole output, or autocast's copy of its x, B, C) and output
+    conv = (s.conv_dim if casting else 2 * inner + 2 * s.groups * n + h) * m + s.conv_dim * m
+    x = (s.conv_dim * 4 if m == 4 else inner * 4 + h * 4) + inner * 4  # fp32 x (B, C) and its padded D copy
+    dt = 2 * h * m + h * 4 + 2 * h * 4  # dt + bias, softplus; fp32 dt; the exp decays
+    chunk_mats = h * c * (4 + 2 * k)
+    heads_state = h * n * (4 + 4 * k)  # B and C repeated to the heads, and their einsum copies
+    heads_dim = 3 * inner * k  # x * dt's einsum copies, the off-diagonal output
+    states = 2 * h * p * n * k / c
+    norm = 4 * inner * 4 + (inner * 4 if m != 4 else 0) + 4 * s.groups  # gated RMSNorm, fp32
+    out_proj = inner * m
+    correction = inner * 4 + 2 * s.groups * n * 4 + 4 * h * 4 if adapter else 0
+    return conv + x + dt + chunk_mats + heads_state + heads_dim + states + norm + out_proj + correction
+
+
+def _mixer_bytes(lay: _Layout, kind: str) -> int:
+    """One mixer's saved tensors after its layer's input norm: attention's q/k/v projections' inputs
+    (autocast casts the normed input once per projection), its store and o_proj input; a recurrent mixer's
+    projections' inputs and its tensors (the package's adapters run: ``adapter=True``)."""
     s, t = lay.shape, lay.t
-    norm = _norm_bytes(lay)
-    qkv_in = (3 if lay.casting else 1) * s.d * lay.m * t
-    return norm + qkv_in + _attention_store_bytes(lay) + _o_proj_input_bytes(lay)
+    if kind == ATTENTION:
+        qkv_in = (3 if lay.casting else 1) * s.d * lay.m * t
+        return qkv_in + _attention_store_bytes(lay) + _attention_o_proj_bytes(lay)
+    if kind == GATED_DELTANET and s.gdn is not None:  # in_proj_qkv, z, b, a read the normed input
+        per_token = _gdn_token_bytes(s.gdn, lay.m, lay.pw, lay.casting, adapter=True)
+        return int((4 if lay.casting else 1) * s.d * lay.m * t + per_token * t)
+    if kind == MAMBA2 and s.mamba2 is not None:
+        per_token = _mamba2_token_bytes(s.mamba2, lay.m, lay.casting, adapter=True)
+        return int(s.d * lay.m * t + per_token * t)
+    raise AssertionError(f"no layer kind {kind!r}")  # _blocks_of refuses unknown kinds
 
 
-def _layer_mlp_bytes(lay: _Layout) -> int:
+def _layer_attention_bytes(lay: _Layout, block: _Block = _LLAMA_BLOCK) -> int:
+    """One layer's saved tensors up to its MLP: the first RMSNorm's and its mixers' (:func:`_mixer_bytes`)."""
+    if not block.mixers:
+        return 0
+    return _norm_bytes(lay) + sum(_mixer_bytes(lay, kind) for kind in block.mixers)
+
+
+def _layer_mlp_bytes(lay: _Layout, block: _Block = _LLAMA_BLOCK) -> int:
     """One layer's saved tensors from its second RMSNorm on: the norm, the MLP's input(s) and its gate, act,
     up, act*up (their TP-local columns with tp; FPDT's tiled MLP keeps only its input and recomputes the
-    rest)."""
+    rest). None for a block without an MLP (Mamba-2's)."""
+    if not block.mlp:
+        return 0
     s, t = lay.shape, lay.t
     norm = _norm_bytes(lay)
     if lay.fpdt:
@@ -898,10 +1207,14 @@ def _layer_mlp_bytes(lay: _Layout) -> int:
     return norm + copies * s.d * lay.m * t + (4 if s.gated else 2) * lay.inter_tp * lay.m * t
 
 
-def _layer_device_bytes(lay: _Layout) -> int:
+def _offloaded_bytes(lay: _Layout, block: _Block) -> int:
+    """FPDT offload: the attention chunks of a layer with attention are in host memory."""
+    return _attention_store_bytes(lay) if lay.offload and ATTENTION in block.mixers else 0
+
+
+def _layer_device_bytes(lay: _Layout, block: _Block = _LLAMA_BLOCK) -> int:
     """One layer's saved tensors on the device (FPDT's offloaded chunks are on the host)."""
-    host = _attention_store_bytes(lay) if lay.offload else 0
-    return _layer_attention_bytes(lay) + _layer_mlp_bytes(lay) - host
+    return _layer_attention_bytes(lay, block) + _layer_mlp_bytes(lay, block) - _offloaded_bytes(lay, block)
 
 
 def _saved_activations(lay: _Layout) -> _Term:
@@ -909,13 +1222,21 @@ def _saved_activations(lay: _Layout) -> _Term:
     if lay.checkpointing:
         return _Term(_ACTS, 0)
     note = "per layer: norms, q/k/v/out/lse, projections" + (", MLP" if not lay.fpdt else "")
-    return _Term(_ACTS, (lay.shape.layers - 1) * _layer_device_bytes(lay), note=note)
+    kinds = sorted({kind for b in lay.blocks for kind in b.mixers} - {ATTENTION})
+    if kinds:
+        note += f"; {', '.join(kinds)} layers: projections, conv, fp32 chunk matrices and states"
+    return _Term(_ACTS, sum(_layer_device_bytes(lay, b) for b in lay.blocks[:-1]), note=note)
 
 
-def _o_proj_input_bytes(lay: _Layout) -> int:
-    """The o_proj's saved input (the attention output in sequence layout, this TP rank's heads): freed by the
-    o_proj's backward, before the attention's backward runs."""
+def _attention_o_proj_bytes(lay: _Layout) -> int:
+    """The o_proj's saved input (the attention output in sequence layout, this TP rank's heads)."""
     return lay.heads_tp * lay.shape.head_dim * lay.m * lay.t
+
+
+def _o_proj_input_bytes(lay: _Layout, block: _Block = _LLAMA_BLOCK) -> int:
+    """A layer's attention o_proj input: freed by the o_proj's backward, before the attention's backward runs
+    (a recurrent mixer's out_proj input is counted with the mixer)."""
+    return _attention_o_proj_bytes(lay) if ATTENTION in block.mixers else 0
 
 
 def _last_layer_attention_activations(lay: _Layout) -> _Term:
@@ -923,18 +1244,21 @@ def _last_layer_attention_activations(lay: _Layout) -> _Term:
     input (:func:`_last_layer_o_proj_input`)."""
     if lay.checkpointing:
         return _Term(_ACTS, 0)
-    return _Term(_ACTS, _layer_device_bytes(lay) - _layer_mlp_bytes(lay) - _o_proj_input_bytes(lay))
+    last = lay.blocks[-1]
+    return _Term(
+        _ACTS, _layer_device_bytes(lay, last) - _layer_mlp_bytes(lay, last) - _o_proj_input_bytes(lay, last)
+    )
 
 
 def _last_layer_o_proj_input(lay: _Layout) -> _Term:
     """Without checkpointing: the last layer's o_proj input, alive until the layer's attention backward."""
-    return _Term(_ACTS, 0 if lay.checkpointing else _o_proj_input_bytes(lay))
+    return _Term(_ACTS, 0 if lay.checkpointing else _o_proj_input_bytes(lay, lay.blocks[-1]))
 
 
 def _last_layer_mlp_activations(lay: _Layout) -> _Term:
     """Without checkpointing: the last layer's MLP tensors. They do not exist yet while its attention runs
     forward, and are freed when its attention runs backward."""
-    return _Term(_ACTS, 0 if lay.checkpointing else _layer_mlp_bytes(lay))
+    return _Term(_ACTS, 0 if lay.checkpointing else _layer_mlp_bytes(lay, lay.blocks[-1]))
 
 
 def _checkpointed_inputs(lay: _Layout) -> _Term:
@@ -978,12 +1302,13 @@ def _fpdt_chunk_store(lay: _Layout) -> _Term:
     :func:`_running_layer_chunk_store` and the recomputed layer's."""
     if not lay.offload or lay.checkpointing:
         return _Term(_ACTS, 0)
-    return _Term(_ACTS, 0, lay.shape.layers * _attention_store_bytes(lay), note="host: FPDT chunks (offload)")
+    host = lay.attention_layers * _attention_store_bytes(lay)
+    return _Term(_ACTS, 0, host, note="host: FPDT chunks (offload)")
 
 
 def _running_layer_chunk_store(lay: _Layout) -> _Term:
     """FPDT offload with checkpointing: the running layer's chunks, on the host until its forward ends."""
-    if not (lay.offload and lay.checkpointing):
+    if not (lay.offload and lay.checkpointing and lay.attention_layers):
         return _Term(_ACTS, 0)
     return _Term(_ACTS, 0, _attention_store_bytes(lay), note="host: one layer's FPDT chunks (offload)")
 
@@ -1053,7 +1378,7 @@ def _attention_forward(lay: _Layout) -> _Term:
     in flight), a score tile and, with offload, the double-buffered kv prefetch (2 fetched k, v steps).
     Ulysses: none (the kernel's out and lse are kept activations; O(1) workspace). (Noted with the
     backward.)"""
-    if not lay.fpdt:
+    if not lay.fpdt or not lay.attention_layers:
         return _Term("attention working set", 0)
     qa, hd, seg_kv = lay.qa, lay.shape.head_dim, lay.segment * lay.kv_per_rank * lay.shape.head_dim
     seg_q = lay.segment * lay.heads_per_rank * hd
@@ -1069,6 +1394,10 @@ def _attention_backward(lay: _Layout) -> _Term:
     host; late: dq/dk/dv of every chunk and their concatenation. Ulysses: the output's gradient in both
     layouts, dq/dk/dv in head layout and back in sequence layout. Both: the residual stream's gradient."""
     qa, m, q, kv = lay.qa, lay.m, lay.q_elems, lay.kv_elems
+    if not lay.attention_layers:  # attention-free (Mamba-2): the residual stream's gradient only
+        return _Term(
+            "attention working set", _residual_gradient_bytes(lay), note="residual gradient (no attention)"
+        )
     if lay.fpdt:
         seg_q = lay.segment * lay.heads_per_rank * lay.shape.head_dim
         seg_kv = lay.segment * lay.kv_per_rank * lay.shape.head_dim
@@ -1089,17 +1418,39 @@ def _all_to_all_buffers(lay: _Layout) -> _Term:
     """FPDT: send + receive of one chunk; Ulysses (head_to_seq): the reshaped copy and the send buffer. Both of
     this TP rank's heads."""
     hd = lay.shape.head_dim
+    if not lay.attention_layers:
+        return _Term("all-to-all buffers", 0)
     if lay.fpdt:
         nbytes = 2 * lay.b * lay.chunk * lay.heads_tp * hd * lay.qa
     else:
         nbytes = 2 * lay.t * lay.heads_tp * hd * lay.m
-    return _Term("all-to-all buffers", nbytes, note="send + receive of one all-to-all")
+    note = "send + receive of one all-to-all" + (" (attention layers only)" if lay.shape.blocks else "")
+    return _Term("all-to-all buffers", nbytes, note=note)
+
+
+def _state_exchange_buffers(lay: _Layout) -> _Term:
+    """Recurrent layers (no all-to-all): the all-gathered per-segment state summaries of the exclusive affine
+    scan, fp32, for every segment of the sequence (``P`` ranks x local segments x b). GDN: ``[M | B]``,
+    ``heads x dk x (dk + dv)``; Mamba-2: the scalar decay and the state, ``heads x (1 + p x n)``. Backward
+    gathers the entry states' gradients, no larger. Small: independent of the sequence length per segment."""
+    s, n = lay.shape, lay.segments * lay.b
+    sizes = {}
+    if s.gdn is not None:
+        sizes["gated_deltanet"] = n * s.gdn.heads * s.gdn.dk * (s.gdn.dk + s.gdn.dv) * 4
+    if s.mamba2 is not None:
+        sizes["mamba2"] = n * s.mamba2.heads * (1 + s.mamba2.head_dim * s.mamba2.state) * 4
+    if not sizes:
+        return _Term("state exchange buffers", 0)
+    note = f"all-gathered state summaries of {n} segments (" + ", ".join(sizes) + "); no all-to-all"
+    return _Term("state exchange buffers", max(sizes.values()), note=note)
 
 
 def _mlp_forward(lay: _Layout) -> _Term:
     """FPDT's tiled MLP: its output (+ its input's copy) and one chunk without grad (+ the weights' casts).
     Ulysses: the MLP's output. (Noted with the backward.)"""
     s = lay.shape
+    if not lay.mlp_layers:
+        return _Term("MLP working set", 0)
     if not lay.fpdt:
         return _Term("MLP working set", s.d * lay.m * lay.t)
     chunk = min(lay.mlp_chunk, lay.t) * lay.inter_tp * lay.m  # one (chunk, I / tp) tensor
@@ -1112,6 +1463,8 @@ def _mlp_backward(lay: _Layout) -> _Term:
     """FPDT's tiled MLP: grad_x and one chunk recomputed with grad (+ the casts). Ulysses: the activation's
     gradients (act*up is freed). Both: the residual stream's gradient."""
     s = lay.shape
+    if not lay.mlp_layers:
+        return _Term("MLP working set", 0)
     if lay.fpdt:
         mc = min(lay.mlp_chunk, lay.t)
         n_mlp = 4 if s.gated else 2
@@ -1127,26 +1480,32 @@ def _mlp_backward(lay: _Layout) -> _Term:
     return _Term("MLP working set", nbytes + _residual_gradient_bytes(lay), note=note)
 
 
+def _recomputed_block(lay: _Layout) -> _Block:
+    """The layer kind whose recompute holds the most (a hybrid's heaviest layer: its backward is the peak)."""
+    return max(set(lay.blocks), key=lambda b: (_layer_device_bytes(lay, b), b.mixers))
+
+
 def _recomputed_layer_attention(lay: _Layout) -> _Term:
     """Checkpointing: the recomputed layer's saved tensors up to its MLP (its FPDT chunks on the host with
     offload). Its first norm saves the checkpointed input itself: FPDT's tiled norm always, Hugging Face's
     when that input is fp32 already."""
     if not lay.checkpointing:
         return _Term(_RECOMPUTE, 0)
-    shared = lay.shape.d * lay.r * lay.t if (lay.fpdt or lay.r == 4) else 0
-    device = _layer_device_bytes(lay) - _layer_mlp_bytes(lay) - shared - _o_proj_input_bytes(lay)
-    host = _attention_store_bytes(lay) if lay.offload else 0
-    return _Term(_RECOMPUTE, device, host, note="one layer recomputed in backward")
+    block = _recomputed_block(lay)
+    shared = lay.shape.d * lay.r * lay.t if (lay.fpdt or lay.r == 4) and block.mixers else 0
+    device = _layer_device_bytes(lay, block) - _layer_mlp_bytes(lay, block) - shared
+    device -= _o_proj_input_bytes(lay, block)
+    return _Term(_RECOMPUTE, device, _offloaded_bytes(lay, block), note="one layer recomputed in backward")
 
 
 def _recomputed_o_proj_input(lay: _Layout) -> _Term:
     """Checkpointing: the recomputed layer's o_proj input, freed before its attention runs backward."""
-    return _Term(_RECOMPUTE, _o_proj_input_bytes(lay) if lay.checkpointing else 0)
+    return _Term(_RECOMPUTE, _o_proj_input_bytes(lay, _recomputed_block(lay)) if lay.checkpointing else 0)
 
 
 def _recomputed_layer_mlp(lay: _Layout) -> _Term:
     """Checkpointing: the recomputed layer's MLP tensors (freed by the time its attention runs backward)."""
-    return _Term(_RECOMPUTE, _layer_mlp_bytes(lay) if lay.checkpointing else 0)
+    return _Term(_RECOMPUTE, _layer_mlp_bytes(lay, _recomputed_block(lay)) if lay.checkpointing else 0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1195,6 +1554,7 @@ _PHASE_TABLE: tuple[tuple[Callable[[_Layout], _Term], str], ...] = (
     (_attention_forward,                 "x     -     -      -      -     -     -"),
     (_attention_backward,                "-     -     -      -      x     -     -"),
     (_all_to_all_buffers,                "x     -     -      -      x     -     -"),
+    (_state_exchange_buffers,            "x     -     -      -      x     -     -"),
     (_mlp_forward,                       "-     x     -      -      -     -     -"),
     (_mlp_backward,                      "-     -     -      -      -     x     -"),
     (_recomputed_layer_attention,        "-     -     -      -      x     x     -"),
@@ -1404,6 +1764,11 @@ def plan_memory(
         raise ValueError(
             f"cpu_offload=True with data_parallel={data_parallel!r}: state offload is FSDP2's CPUOffloadPolicy; "
             "set data_parallel='fsdp'"
+        )
+    if tp > 1 and shape.blocks:
+        raise ValueError(
+            f"tensor_parallel_size={tp}: {shape.model_name} is a hybrid model; plan_memory does not model its "
+            "recurrent layers under tensor parallelism; use tensor_parallel_size=1"
         )
     if tp > 1:
         _check_tp(shape, tp, data_parallel)

@@ -897,3 +897,119 @@ def test_tensor_parallelism_lengthens_the_8b_sequence():
     found = {tp: longest_sequence(LLAMA3_8B, tensor_parallel_size=tp, **kw) for tp in (1, 2, 4)}
     assert found == {1: 524288, 2: 720896, 4: 851968}
     assert found[1] <= found[2] <= found[4]
+
+
+# ---- hybrid models: gated DeltaNet and Mamba-2 layers ----
+
+GDN_TINY = {"model_type": "qwen3_5_text", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 160,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"]}  # fmt: skip
+MAMBA2_TINY = {"model_type": "mamba2", "vocab_size": 1000, "hidden_size": 16, "num_hidden_layers": 2,
+               "num_heads": 4, "head_dim": 8, "state_size": 32, "n_groups": 2, "expand": 2, "chunk_size": 64}  # fmt: skip
+
+
+def _mixer_saved_bytes(module: torch.nn.Module, x: torch.Tensor, autocast: bool) -> int:
+    """Bytes of the distinct storages one mixer forward saves for backward, but its input and parameters."""
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()} | {x.untyped_storage().data_ptr()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            module(x)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2"])
+def test_recurrent_mixers_save_what_the_formula_says(kind, precision):
+    """The per-token formula of a GDN / Mamba-2 layer (HF's torch fallbacks: fp32 chunk matrices and chunk
+    states) against the bytes autograd saves in one mixer forward, at two lengths (linear in the length)."""
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    from lightning_longctx.planner import (
+        _blocks_of,
+        _gdn_dims,
+        _gdn_token_bytes,
+        _mamba2_dims,
+        _mamba2_token_bytes,
+    )
+
+    cfg = dict(GDN_TINY if kind == "gated_deltanet" else MAMBA2_TINY)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    assert {k for b in _blocks_of(config) for k in b.mixers} <= {kind, "attention"}
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    autocast = precision == "bf16-mixed"
+    m, pw = (4, 4) if precision == "32-true" else (2, 2 if precision == "bf16-true" else 4)
+    torch.manual_seed(0)
+    if kind == "gated_deltanet":
+        module = Qwen3_5GatedDeltaNet(config, 0).to(dtype)
+        # under autocast each of in_proj_qkv, z, b, a keeps its own bf16 copy of the input
+        per_token = _gdn_token_bytes(_gdn_dims(config), m, pw, autocast, adapter=False)
+        per_token += 4 * config.hidden_size * m if autocast else 0
+    else:
+        module = Mamba2Mixer(config, 0).to(dtype)
+        per_token = _mamba2_token_bytes(_mamba2_dims(config), m, autocast, adapter=False)
+        per_token += config.hidden_size * m if autocast else 0
+    for n in (256, 512):
+        x = (
+            torch.randn(1, n, config.hidden_size, dtype=dtype, requires_grad=True) * 1.0
+        )  # not a leaf: no cast cache
+        assert per_token * n == pytest.approx(_mixer_saved_bytes(module, x, autocast), rel=0.1)
+
+
+def test_hybrid_layers_are_planned_by_kind():
+    """Qwen3.5 (3 GDN layers, 1 attention layer): the GDN layers save their own bytes, not attention's; the
+    all-to-all is the attention layers' only; the state exchange is one fp32 [M | B] per rank."""
+    from lightning_longctx.planner import _gdn_dims, _gdn_token_bytes
+
+    P, n = 2, 1024
+    hybrid = plan_memory(GDN_TINY, seq_len=n, sequence_parallel_size=P)
+    attention = plan_memory(
+        {**GDN_TINY, "layer_types": ["full_attention"] * 4}, seq_len=n, sequence_parallel_size=P
+    )
+    cfg = dict(GDN_TINY)
+    g = _gdn_dims(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    t, d = n // P, GDN_TINY["hidden_size"]
+    gdn_layer = t * (d * 4 + _gdn_token_bytes(g, 4, 4, False, adapter=True))  # fp32: one projections' input
+    hd, heads, kv = 16, 4, 2
+    attention_layer = (
+        t * d * 4 + 4 * (2 * heads + 2 * kv) // P * hd * n + 4 * heads // P * n + heads * hd * 4 * t
+    )
+    acts = "activations kept for backward"
+    assert hybrid[acts].largest - attention[acts].largest == pytest.approx(
+        3 * (gdn_layer - attention_layer), abs=8
+    )
+    assert hybrid["all-to-all buffers"].largest == attention["all-to-all buffers"].largest
+    assert hybrid["state exchange buffers"].largest == P * g.heads * g.dk * (g.dk + g.dv) * 4
+    assert "state exchange buffers" not in [c.name for c in attention.components]
+    with pytest.raises(ValueError, match="hybrid model"):
+        plan_memory(
+            GDN_TINY, seq_len=n, sequence_parallel_size=P, tensor_parallel_size=2, data_parallel="fsdp"
+        )
+
+
+def test_attention_free_mamba2_has_no_attention_mlp_or_all_to_all():
+    plan = plan_memory(MAMBA2_TINY, seq_len=1024, sequence_parallel_size=2, mode="fpdt", fpdt_chunk_size=128)
+    rows = [c.name for c in plan.components]
+    assert "all-to-all buffers" not in rows and "MLP working set" not in rows
+    assert plan.params == sum(p.numel() for p in _model(MAMBA2_TINY).parameters())
+    # 2 ranks x 4 local FPDT chunks: each a segment of the state scan, (1 + p n) fp32 per head
+    assert plan["state exchange buffers"].largest == 2 * 4 * 4 * (1 + 8 * 32) * 4
+
+
+@pytest.mark.parametrize(
+    "model_type, kind",
+    [("minimax", "MiniMax lightning attention"), ("mamba", "Mamba-1"), ("falcon_mamba", "Mamba-1"),
+     ("recurrent_gemma", "RG-LRU"), ("rwkv", "RWKV"), ("xlstm", "xLSTM")],
+)  # fmt: skip
+def test_unmodelled_recurrent_layers_are_refused_by_name(model_type, kind):
+    with pytest.raises(ValueError, match=f"has {kind}.*does not model"):
+        plan_memory({"model_type": model_type}, seq_len=4096, sequence_parallel_size=2)
