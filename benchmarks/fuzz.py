@@ -2,6 +2,7 @@
 
     python benchmarks/fuzz.py --trials 2000 --seed 1                 # the attention core
     python benchmarks/fuzz.py --target strategy --trials 50 --seed 1  # one Trainer step per trial
+    python benchmarks/fuzz.py --target strategy --archs qwen3_5_text,mamba2 --trials 20   # only these models
 
 Every trial is one drawn configuration run on real gloo ranks against the single-process reference
 (``tests/fuzz_common.py``: exact / refused / failing; a dead rank or a hang is failing, with the ranks
@@ -26,25 +27,28 @@ sys.path.insert(0, str(HERE))
 from common import environment, format_table, write_json  # noqa: E402
 
 
-def _targets() -> dict:
-    """name -> (strategy of cases, the per-rank runner, tolerance, timeout per trial in s)."""
+def _targets(archs: list[str] | None = None) -> dict:
+    """name -> (strategy of cases, the per-rank runner, tolerance, timeout per trial in s); ``archs``: the
+    strategy target draws only these architectures."""
     import fuzz_attention as attn
     import fuzz_strategy as strat
 
     return {
         "attention": (attn.attention_cases(), attn.run_attention, attn.TOLERANCE, attn.TIMEOUT_S),
-        "strategy": (strat.strategy_cases(), strat.run_strategy, strat.TOLERANCE, strat.TIMEOUT_S),
+        "strategy": (strat.strategy_cases(archs), strat.run_strategy, strat.TOLERANCE, strat.TIMEOUT_S),
     }
 
 
-def search(target: str, trials: int, seed: int, quiet: bool = False) -> list[dict]:
+def search(
+    target: str, trials: int, seed: int, quiet: bool = False, archs: list[str] | None = None
+) -> list[dict]:
     """Run ``trials`` drawn cases (hypothesis, seeded, no shrinking, no database); one row per trial."""
     from _dist import WarmPools
     from fuzz_common import run_verdict
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
 
-    cases, runner, tolerance, timeout = _targets()[target]
+    cases, runner, tolerance, timeout = _targets(archs)[target]
     pool_of = WarmPools()
     rows: list[dict] = []
 
@@ -90,12 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--archs", default=None, help="strategy target: draw only these sweep architectures (a,b,...)"
+    )
+    p.add_argument(
         "--out", type=Path, default=None, help="JSON (default benchmarks/results/fuzz_<target>.json)"
     )
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     start = time.perf_counter()
-    rows = search(args.target, args.trials, args.seed)
+    rows = search(args.target, args.trials, args.seed, archs=args.archs.split(",") if args.archs else None)
     wall = time.perf_counter() - start
     table = summarize(rows)
     print(format_table(table, COLUMNS))

@@ -9,6 +9,11 @@ Layouts: ``bshd`` = (batch, seq, heads, head_dim). ``P`` = size of the sequence-
 * ``seq_to_head_async`` / ``head_to_seq_async``: the no-grad ones started in the background
   (``async_op=True``), returning a :class:`PendingAllToAll` whose ``wait()`` gives the result (FPDT's
   overlap of communication with compute).
+* ``halo_exchange(tails)``: each segment receives the tail of the segment before it in global order
+  (a causal convolution's k-1 inputs from the previous rank); its backward sends the gradient back.
+* ``exclusive_affine_scan(M, B, apply)``: the entry state of every segment of a recurrence that is affine
+  in its state, ``S_out = M S_in + B``, from one all-gather of the per-segment summaries; its backward is
+  one all-gather of the entry-state gradients (hybrid mixers: gated DeltaNet, Mamba, ...).
 
 Heads are split in contiguous blocks, rank r owning ``head_split(h, P)[r]`` heads; when ``h % P != 0``
 the first ``h % P`` ranks own one head more (``all_to_all_single`` with uneven split sizes).
@@ -43,10 +48,13 @@ def head_split(num_heads: int, world: int) -> list[int]:
 @dataclass
 class AllToAllCount:
     """All-to-alls run while a :func:`count_all_to_all` block was open, and the bytes this process sent
-    to OTHER ranks through them (its own block is not counted)."""
+    to OTHER ranks through them (its own block is not counted). The hybrid mixers' state exchanges
+    (:func:`halo_exchange`, :func:`exclusive_affine_scan`) are counted apart, in ``exchange_*``."""
 
     calls: int = 0
     bytes_sent: int = 0
+    exchange_calls: int = 0
+    exchange_bytes: int = 0
 
 
 #: Counters of the open :func:`count_all_to_all` blocks; empty (nothing counted) unless one is open.
@@ -423,3 +431,139 @@ def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
     out: list[Any] = [None] * world
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hybrid mixers: halo exchange and exclusive affine scan
+#
+# A "segment" is a run of consecutive global tokens held by one rank: the whole local shard in the
+# contiguous (Ulysses) layout (u = 1), each of the u local chunks in the FPDT layout, where rank r holds
+# global chunks r, r+P, r+2P, ... Global segment order is g = i*P + r for local segment i of rank r.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _count_exchange(sent: int) -> None:
+    for count in _OPEN_COUNTS:
+        count.exchange_calls += 1
+        count.exchange_bytes += sent
+
+
+def _ring_shift(x: torch.Tensor, group: Group, forward: bool) -> torch.Tensor:
+    """``x`` of rank r+1 (``forward=False``) or r-1 (``forward=True``), ring order, one
+    ``all_to_all_single`` that moves ``x`` to a single neighbour (zero-sized splits to the others)."""
+    rank, world = group_rank_size(group)
+    x = x.contiguous()
+    if world == 1:
+        return x.clone()
+    n = x.numel()
+    dst, src = (
+        ((rank + 1) % world, (rank - 1) % world) if forward else ((rank - 1) % world, (rank + 1) % world)
+    )
+    in_splits = [n if r == dst else 0 for r in range(world)]
+    out_splits = [n if r == src else 0 for r in range(world)]
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out.view(-1), x.view(-1), out_splits, in_splits, group=group)
+    _count_exchange(n * x.element_size())
+    return out
+
+
+class _HaloExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tails: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        received = _ring_shift(tails, group, forward=True)  # rank r holds rank r-1's tails
+        if group_rank_size(group)[0] == 0:  # rank 0's segment i follows rank P-1's segment i-1
+            received = torch.cat([torch.zeros_like(received[:1]), received[:-1]])
+        return received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        if group_rank_size(ctx.group)[0] == 0:  # undo the shift: halo i came from segment i-1
+            grad = torch.cat([grad[1:], torch.zeros_like(grad[:1])])
+        return _ring_shift(grad, ctx.group, forward=False), None
+
+
+def halo_exchange(tails: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """The tail of the previous segment in global order, for each of this rank's segments.
+
+    ``tails``: ``(u, ...)``, the last ``k-1`` positions of each of this rank's ``u`` local segments (any
+    trailing layout). Returns ``(u, ...)``: for local segment i of rank r, the tails of segment i of rank
+    r-1; on rank 0, of segment i-1 of rank P-1, zeros for segment 0 (the sequence start). Backward: the
+    gradient goes back to the rank whose tails they were. Bytes per rank: ``tails.numel() * elt`` each way.
+    Every rank of ``group`` must call it (one collective forward, one backward)."""
+    return _HaloExchange.apply(tails, group)
+
+
+def _global_order(x: torch.Tensor, world: int) -> torch.Tensor:
+    """``(P, u, ...)`` gathered per rank -> ``(u*P, ...)`` in global segment order g = i*P + r."""
+    return x.transpose(0, 1).flatten(0, 1)
+
+
+def _fold(
+    M: torch.Tensor, B: torch.Tensor, apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """Entry states of segments in order: ``S[0] = 0``, ``S[g+1] = apply(M[g], S[g]) + B[g]``."""
+    states = [torch.zeros_like(B[0])]
+    for g in range(B.shape[0] - 1):
+        states.append(apply(M[g], states[-1]) + B[g])
+    return torch.stack(states)
+
+
+def _gather_segments(x: torch.Tensor, group: Group) -> torch.Tensor:
+    _, world = group_rank_size(group)
+    x = x.contiguous()
+    if world == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    _count_exchange((world - 1) * x.numel() * x.element_size())
+    return _global_order(torch.stack(parts), world)
+
+
+class _ExclusiveAffineScan(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, M: torch.Tensor, B: torch.Tensor, apply: Callable[..., torch.Tensor], group: Group
+    ) -> torch.Tensor:
+        rank, world = group_rank_size(group)
+        u = B.shape[0]
+        # one all-gather of [M | B] (flat), not two: the summaries are small, the latency is not
+        flat = _gather_segments(torch.cat([M.reshape(u, -1), B.reshape(u, -1)], dim=1), group)
+        Ms = flat[:, : M[0].numel()].reshape(-1, *M.shape[1:])
+        Bs = flat[:, M[0].numel() :].reshape(-1, *B.shape[1:])
+        ctx.combine, ctx.group, ctx.rank, ctx.world = apply, group, rank, world
+        ctx.save_for_backward(Ms, Bs)
+        return _fold(Ms, Bs, apply)[rank::world].clone()  # this rank's segments: g = i*P + rank
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        Ms, Bs = ctx.saved_tensors
+        grads = _gather_segments(grad, ctx.group)  # every rank's entry-state gradient, global order
+        dM, dB = None, None
+        with torch.enable_grad():  # the fold is tiny (u*P small states): differentiate it again locally
+            Ms, Bs = Ms.detach().requires_grad_(), Bs.detach().requires_grad_()
+            states = _fold(Ms, Bs, ctx.combine)
+            if states.requires_grad:  # one segment in all: its entry state is zero, whatever M and B are
+                dM, dB = torch.autograd.grad(states, (Ms, Bs), grads, allow_unused=True)
+        dM = torch.zeros_like(Ms) if dM is None else dM
+        dB = torch.zeros_like(Bs) if dB is None else dB
+        return dM[ctx.rank :: ctx.world], dB[ctx.rank :: ctx.world], None, None
+
+
+def exclusive_affine_scan(
+    M: torch.Tensor,
+    B: torch.Tensor,
+    apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    group: Group = None,
+) -> torch.Tensor:
+    """Entry states of this rank's segments of a recurrence affine in its state.
+
+    ``M`` ``(u, ...)`` and ``B`` ``(u, *state)``: each local segment's summary from a zero entry state,
+    ``S_out = apply(M, S_in) + B`` (``apply``: the matrix product for gated DeltaNet's dense ``M``, a
+    broadcast product for Mamba's diagonal or scalar one). Returns ``(u, *state)``: ``S_in`` of each local
+    segment, the exclusive fold over all earlier segments in global order (zeros for the first). One
+    all-gather of ``[M | B]`` forward, one of the ``S_in`` gradients backward, then a local fold of
+    ``u*P`` small states; every rank of ``group`` must call it, rank 0 too, whose first entry state is
+    zero (a rank that skipped the backward collective would hang the others)."""
+    return _ExclusiveAffineScan.apply(M, B, apply, group)

@@ -106,7 +106,9 @@ class FSDP2Sharding:
         kwargs = {"mesh": self.mesh, "mp_policy": mp_policy, "offload_policy": self.offload_policy}
         for root in roots:
             block_names = set(getattr(root, "_no_split_modules", None) or [])
-            for module in root.modules():
+            # innermost first: FSDP2 needs a nested unit sharded before the one around it (Mamba lists both
+            # its block and its mixer in _no_split_modules; outer first left the mixer's weights sharded)
+            for module in reversed(list(root.modules())):
                 if type(module).__name__ in block_names:
                     fsdp.fully_shard(module, **kwargs)
             fsdp.fully_shard(root, **kwargs)

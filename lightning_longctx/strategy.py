@@ -36,7 +36,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 from typing_extensions import override
 
-from lightning_longctx.comm import all_gather_object, count_all_to_all
+from lightning_longctx.comm import all_gather_object, all_reduce_no_grad, count_all_to_all
 from lightning_longctx.config import (
     DEFAULT_FPDT_CHUNK_SIZE,
     SUPPORTED_PRECISION,
@@ -45,6 +45,7 @@ from lightning_longctx.config import (
 )
 from lightning_longctx.fsdp import MIXED_PRECISION_DTYPES, FSDP2Sharding, move_all_but_models
 from lightning_longctx.integrations.context import BatchPositions, SequenceParallelContext
+from lightning_longctx.integrations.hybrid.base import halo_error, packed_documents_error
 from lightning_longctx.integrations.transformers import (
     context_of,
     disable_sequence_parallel,
@@ -417,8 +418,25 @@ class UlyssesFPDTStrategy(DDPStrategy):
             full = global_positions(batch, group=self.sp_group, chunk_size=chunk)
             for ctx in self._contexts:
                 ctx.positions = BatchPositions(local=out["position_ids"], full=full)
+            self._check_hybrid_batch(out["position_ids"].shape[-1], chunk)
         self._batches_sharded += 1
         return out
+
+    def _check_hybrid_batch(self, local_len: int, chunk: int | None) -> None:
+        """Hybrid models: what their mixers refuse (packed documents, segments shorter than a conv's halo),
+        decided on every rank before the forward (one small all-reduce): data-parallel ranks see different
+        samples, and a refusal raised on some ranks inside the forward would leave the others waiting."""
+        hybrids = [ctx for ctx in self._contexts if ctx.num_mixers]
+        if not hybrids:
+            return
+        packed = any(ctx.positions is not None and ctx.positions.documents() is not None for ctx in hybrids)
+        short = any((chunk or local_len) < ctx.mixer_halo for ctx in hybrids)
+        flags = all_reduce_no_grad(torch.tensor([float(packed), float(short)]), op="max")
+        ctx = hybrids[0]
+        if flags[0]:
+            raise packed_documents_error(ctx.model_name)
+        if flags[1]:
+            raise halo_error(ctx.model_name, ctx.mixer_halo, chunk or local_len, local_len)
 
     def _check_batch_across_ranks(self, ids: Tensor | None) -> None:
         """First batch: every rank of an SP group must hold the same sample, and all shapes must agree
@@ -459,10 +477,10 @@ class UlyssesFPDTStrategy(DDPStrategy):
         if self._verified:
             return super().training_step(*args, **kwargs)
         for ctx in self._contexts:
-            ctx.attention_calls = 0
+            ctx.attention_calls = ctx.mixer_calls = 0
         with count_all_to_all() as count:
             out = super().training_step(*args, **kwargs)
-        self._verify_first_step(count.calls)
+        self._verify_first_step(count.calls + count.exchange_calls)
         self._verified = True
         return out
 
@@ -473,6 +491,11 @@ class UlyssesFPDTStrategy(DDPStrategy):
                     f"only {ctx.attention_calls} of {ctx.num_attention_layers} attention layers went through "
                     "sequence-parallel attention in the first step; the rest attended only to their local shard. "
                     "The model bypasses transformers' AttentionInterface somewhere and cannot be trained this way"
+                )
+            if ctx.mixer_calls < ctx.num_mixers:
+                raise RuntimeError(
+                    f"only {ctx.mixer_calls} of {ctx.num_mixers} hybrid mixers (convolutions, linear attention, "
+                    "state-space layers) ran in the first step; the model calls them some way we did not patch"
                 )
         if self.sp_size > 1 and collectives == 0:
             raise RuntimeError(

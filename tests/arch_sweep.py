@@ -520,7 +520,7 @@ ARCHS: list[Arch] = [
         no_rope_layers=[1, 0],
         floor_scale=4,
     ),
-    # ---- hybrids: other sequence mixers beside attention (must be refused) ----
+    # ---- hybrids: other sequence mixers beside attention (integrations/hybrid: exact, or refused) ----
     _a(
         "lfm2",
         "Lfm2ForCausalLM",
@@ -693,6 +693,11 @@ ARCHS: list[Arch] = [
     ),
     _a("rwkv", "RwkvForCausalLM", "RwkvConfig", "RWKV-4 time mixing, no attention", attention_hidden_size=32),
 ]
+
+#: The hybrid (attention + another token mixer) and attention-free architectures among :data:`ARCHS`.
+HYBRIDS = ("lfm2", "qwen3_next", "qwen3_5_text", "minimax", "jamba", "bamba", "falcon_h1", "granitemoehybrid",
+           "nemotron_h", "olmo_hybrid", "recurrent_gemma", "kimi_linear", "mamba", "mamba2", "falcon_mamba",
+           "xlstm", "rwkv")  # fmt: skip
 
 #: Causal-LM model types of transformers 5.24 left out of the sweep, and why (decoder-only text models only).
 SKIPPED: dict[str, str] = {
@@ -902,21 +907,25 @@ def run_all(names: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
 # ---------------------------------------------------------------------------------------------------
 
 HYBRID_SUPPORT = """\
-## What supporting the hybrids would take
+## Hybrid and attention-free models
 
-Sequence parallelism cuts the sequence across ranks. Attention sees every token after the all-to-all, but a
-layer that mixes tokens some other way sees only its own shard: each would be silently wrong at the shard
-edges, so those models are refused. Making them exact needs one exchange per mixer kind:
+Sequence parallelism cuts the sequence across ranks. Attention sees every token after the all-to-all; a layer
+that mixes tokens some other way sees only its own shard, so each kind of mixer needs its own exchange
+(`lightning_longctx/integrations/hybrid/`, one module per kind, around the kernel function the model calls:
+the fla / causal-conv1d / mamba-ssm kernel on GPU and the torch fallback on CPU take the same adapter):
 
-| mixer (models) | what crosses a shard edge | what sequence parallelism would need |
-| --- | --- | --- |
-| causal short convolution, kernel k (LFM2's gated conv; the conv1d in front of Mamba, Mamba-2, gated DeltaNet, RG-LRU) | each output reads the k-1 tokens before it | a halo exchange: rank r receives the last k-1 inputs of rank r-1 (zeros on rank 0) before the conv, and sends their gradient back in backward; in the FPDT layout every chunk needs the k-1 tokens of the previous chunk, which lives on the previous rank |
-| linear attention / gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi-Linear, MiniMax lightning attention) | a recurrent state `S_t` (heads x d_k x d_v) carried over the whole sequence | a prefix scan of the state across ranks: each rank computes its chunk's state transition with a zero initial state, the ranks combine them in rank order (an exclusive scan: `S_in(r) = A_{r-1} S_in(r-1) + B_{r-1}`), then each rank reruns its chunk from its incoming state; backward is the same scan in reverse order for the state gradient |
-| selective state space (Mamba, Mamba-2: Jamba, Bamba, Falcon-H1, Granite-MoE-hybrid, Nemotron-H) | the SSM state (heads x d_head x d_state) plus the conv halo above | the same two pieces: the conv halo, then a cross-rank scan of the chunked SSM state (Mamba-2's chunked algorithm already splits into intra-chunk work and an inter-chunk state recurrence; the inter-chunk recurrence would run across ranks) |
-| RG-LRU (RecurrentGemma), RWKV, xLSTM | a per-channel recurrent state | a cross-rank scan of the (diagonal) recurrence, plus the conv halo where there is one |
+| mixer (models) | what crosses a shard edge | how it is made exact | bytes per rank per layer |
+| --- | --- | --- | --- |
+| causal short convolution, kernel k (LFM2; the conv in front of gated DeltaNet, Kimi delta attention, Mamba-1/2) | the k-1 inputs before each segment | `halo_exchange`: every segment receives the last k-1 inputs of the segment before it (another rank), the model's function runs on `[halo \\| segment]`; the gradient goes back | (k-1) x channels, each way |
+| gated DeltaNet, Kimi delta attention (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi-Linear) | the state S (heads x d_k x d_v) | the segment is affine in its entry state, `S_out = M S_in + B`: one call of the model's function with values `[v \\| 0]` from the entry state `[0 \\| I]` gives `o⁰`, `R`, `B`, `M`; `exclusive_affine_scan` (one all-gather of `[M \\| B]`) gives `S_in`; `o = o⁰ + R S_in` | (P-1) x heads x d_k x (d_k + d_v) fp32 forward, (P-1) x heads x d_k x d_v backward |
+| Mamba-2 SSD (Mamba-2, Bamba, Falcon-H1, Granite-4 hybrid, Nemotron-H) | the state (heads x d_head x d_state) | the same scan with a scalar decay per head `M = exp(A ΣΔ)` in closed form; `y += exp(A cumΔ_t) S_in C_t` | (P-1) x heads x (1 + d_head x d_state) fp32 forward |
+| Mamba-1 selective scan (Mamba, Falcon-Mamba, Jamba) | the diagonal state (d_inner x d_state) | the scan takes no entry state: `B_r` and the correction `C_t (exp(A cumΔ_t) ⊙ S_in)` (before the `silu(z)` gate) in closed form | (P-1) x 2 d_inner x d_state fp32 forward |
+| RG-LRU and its conv (RecurrentGemma) | the diagonal state (lru_width) and k-1 conv inputs | halo for the conv; `h = h⁰ + (∏ a) ⊙ S_in`, the reset at global position 0 | (P-1) x 2 lru_width |
+| lightning attention (MiniMax) | the state (heads x d x d), decay `λ` fixed per head | the forward's block loop per segment from zero, `o += λ^(t+1) q_t S_in`, `M = λ^c` | (P-1) x heads x d² |
+| RWKV-4 (token shift + WKV), xLSTM mLSTM | the previous token; a log-scale state `(num, den, max)` / `(C, n, m)` | a one-token halo for the shift; summaries from zero folded in log scale, then the model's own kernel run again from the true entry state (the output is a ratio, not affine) | (P-1) x 4 d_att (RWKV); (P-1) x heads x (d_qk d_v + d_qk + 2) (xLSTM) |
 
-Both exchanges are small (k-1 tokens, or one state per layer and sequence) and point to point, but they are
-sequential across ranks (rank r waits for rank r-1) unless the scan is done in the associative form.
+Packed documents (position ids restarting at 0) are refused for these mixers: their state would flow from one
+document into the next (a plain Hugging Face model mixes them too). Train hybrids on one document per row.
 """
 
 

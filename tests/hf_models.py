@@ -13,6 +13,8 @@ ARCHS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # per-head q_norm / k_norm
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),  # 4 experts, top 2, the aux loss on
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),  # hybrid: conv + gated DeltaNet, then attention
+    "bamba": ("BambaConfig", "BambaForCausalLM"),  # hybrid: conv + Mamba-2 SSD, then attention
 }
 
 
@@ -47,6 +49,19 @@ def tiny_config(
             final_logit_softcapping=3.0,
         )
         kw["layer_types"] = ["sliding_attention", "full_attention"][:layers]
+    if arch == "qwen3_5":  # linear attention (causal conv k=4 + gated DeltaNet) on layer 0, attention on 1
+        kw.update(
+            layer_types=["linear_attention", "full_attention"][:layers],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            head_dim=8,
+        )
+    if arch == "bamba":  # Mamba-2 (4 heads of 16, state 8, SSD chunks of 8) on layer 0, attention on 1
+        kw.update(
+            attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8
+        )
     kw.update(extra)
     return cfg_cls(**kw)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 
 import pytest
-from arch_sweep import ARCHS, DOCS, MODES, SEQ, SKIPPED, WORLD, format_table, render_docs, sweep
+from arch_sweep import ARCHS, DOCS, HYBRIDS, MODES, SEQ, SKIPPED, WORLD, format_table, render_docs, sweep
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +27,7 @@ def test_the_sweep_is_wide_enough():
     assert len(set(names)) == len(names), "an architecture is listed twice"
     assert len(names) >= MIN_ARCHITECTURES, f"only {len(names)} architectures swept"
     assert not set(names) & set(SKIPPED), "an architecture is both swept and skipped"
+    assert set(HYBRIDS) <= set(names) and len(HYBRIDS) == 17
     assert sum(arch.moe for arch in ARCHS) >= 10
     assert SEQ // WORLD // MODES["fpdt"] >= 2, "FPDT must run >= 2 chunks per rank"
 

@@ -172,3 +172,17 @@ def test_bench_tp_bytes_are_the_formula(tmp_path: Path) -> None:
     assert [(r["sp"], r["tp"]) for r in rows] == [(4, 1), (2, 2), (1, 4)]
     assert all(r["status"] == "ok" and r["bytes_sent_per_rank"] == r["formula_bytes"] for r in rows)
     assert rows[1]["bytes_sent_per_rank"] > 0 and rows[2]["bytes_sent_per_rank"] == 0
+
+
+def test_bench_hybrid_bytes_are_the_formula(tmp_path: Path) -> None:
+    """A hybrid at P = 2: the state exchange (conv halo + state scan) and the attention all-to-all move exactly
+    their formulas' bytes per rank, and the exchange is a small fraction of the all-to-all."""
+    out = tmp_path / "hybrid.json"
+    _run_script(
+        ["benchmarks/bench_hybrid.py", "--seq-len", "512", "--repeats", "1", "--out", str(out)], timeout=240
+    )
+    data = json.loads(out.read_text())
+    exchange, attention = data["rows"]
+    assert all(r["bytes_per_rank"] == r["formula"] for r in data["rows"])
+    assert 0 < exchange["bytes_per_rank"] < attention["bytes_per_rank"]
+    assert data["timing"]["per_rank_s"] > 0

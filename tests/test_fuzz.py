@@ -73,6 +73,16 @@ STRATEGY_REGRESSIONS = {
         arch="gemma", world=4, sp=1, seq=23, fpdt_chunk_size=4, activation_checkpointing=True, data_parallel="fsdp",
         tensor_parallel_size=2, packed=True, seed=5,
     ),
+    # Mamba lists its block AND its mixer in _no_split_modules: FSDP2 sharded the block first and left the
+    # nested mixer's weights sharded in forward (mixed Tensor / DTensor matmul); units now go innermost first
+    "falcon_mamba_fsdp_nested_units_ckpt": StratCase(
+        arch="falcon_mamba", world=4, sp=2, seq=16, accumulate=2, activation_checkpointing=True,
+        activation_offload=True, data_parallel="fsdp", cpu_offload=True, seed=203,
+    ),
+    # a hybrid under FPDT with offload, sp 4 with 2 chunks of 3 tokens (the conv halo)
+    "qwen3_5_fpdt_sp4_chunk3": StratCase(
+        arch="qwen3_5_text", world=4, sp=4, seq=24, fpdt_chunk_size=3, offload=True, data_parallel="fsdp", seed=7,
+    ),
 }  # fmt: skip
 
 

@@ -265,11 +265,17 @@ def test_pattern_is_not_a_tensor():
 # ---- refusals ----
 
 
-def test_unsupported_layer_types_are_refused_at_patch_time():
+def test_unsupported_layer_types_are_refused_at_patch_time(monkeypatch):
+    """A layer type whose mixer has no sequence-parallel adapter (MiniMax's lightning attention, with its
+    adapter taken away) is refused at patch time, with the count of layers and adapted mixers."""
+    from lightning_longctx.integrations import hybrid
+
+    monkeypatch.delitem(hybrid.METHODS, "MiniMaxLightningAttention")
     config = transformers.MiniMaxConfig(**{**BASE, "head_dim": 8, "num_local_experts": 2})
     assert config.layer_types == ["full_attention", "linear_attention"]
     with pytest.raises(
-        ValueError, match=r"layers of type 'linear_attention' \(config.layer_types\).*without sequence"
+        ValueError,
+        match=r"layers of type 'linear_attention' \(config.layer_types\).*1 such layers but 0 mixers",
     ):
         enable_sequence_parallel(transformers.MiniMaxForCausalLM(config))
 

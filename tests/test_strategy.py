@@ -126,6 +126,20 @@ CASES = {
     "llama_fpdt_sp2_offload": ("llama", 2, 2, {"fpdt_chunk_size": 4, "offload": True}, {}, 1),
     "qwen2_fpdt_sp4_gqa_kv1": ("qwen2", 4, 4, {"fpdt_chunk_size": 2}, {"kv_heads": 1}, 1),
     "llama_fpdt_dp2_sp2_accumulate2": ("llama", 4, 2, {"fpdt_chunk_size": 4, "offload": True}, {}, 2),
+    # a hybrid (Qwen3.5: causal conv k=4 + gated DeltaNet layer, attention layer): halo and state passing
+    "qwen3_5_sp2": ("qwen3_5", 2, 2, {}, {}, 1),
+    "qwen3_5_fpdt_sp2_accumulate2": ("qwen3_5", 2, 2, {"fpdt_chunk_size": 4}, {}, 2),
+    "bamba_dp2_sp2": ("bamba", 4, 2, {}, {}, 1),  # Mamba-2 SSD + attention, DDP over dp x sp
+    "qwen3_5_sp4": ("qwen3_5", 4, 4, {}, {}, 1),
+    "qwen3_5_fpdt_sp4_offload": ("qwen3_5", 4, 4, {"fpdt_chunk_size": 3, "offload": True}, {}, 1),
+    "qwen3_5_fpdt_dp2_sp2_checkpointing": (
+        "qwen3_5",
+        4,
+        2,
+        {"fpdt_chunk_size": 4, "activation_checkpointing": True},
+        {},
+        1,
+    ),
 }
 
 

@@ -84,6 +84,9 @@ class SequenceParallelContext:
     key: str = ""
     num_attention_layers: int = 0
     attention_calls: int = 0
+    num_mixers: int = 0  # hybrid models: the patched non-attention mixers (``integrations/hybrid``)
+    mixer_calls: int = 0
+    mixer_halo: int = 0  # the most tokens a mixer needs from before its segment (a conv's k-1)
     lm_head: ChunkedHead | None = None  # FPDT mode: read at patch time
     moe_plan: MoEAuxLossPlan | None = None  # the model's in-forward load-balancing loss, if any
     call_position_ids: torch.Tensor | None = None

@@ -301,16 +301,25 @@ class PositionsHook:
         self.context.call_position_ids = None
 
 
-def check_layer_types(model: nn.Module, name: str) -> None:
-    """Patch time: every layer type the config declares has a mask we express exactly."""
+def check_layer_types(model: nn.Module, name: str, mixers: int) -> int:
+    """Patch time: every layer type the config declares has a mask we express exactly, or is a layer of a
+    non-attention mixer that ``integrations/hybrid`` adapted (``mixers`` of them were found). Returns the
+    number of attention layers (Falcon-H1's ``"hybrid"`` layers hold attention beside a mixer)."""
     config = model.config.get_text_config()
-    bad = sorted(set(getattr(config, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES))
-    if bad:
+    layer_types = list(getattr(config, "layer_types", None) or ())
+    if not layer_types:  # attention-free models (RWKV, xLSTM) declare none: one mixer per layer
+        return max(0, int(getattr(config, "num_hidden_layers", 0) or 0) - mixers)
+    other = [t for t in layer_types if t not in SUPPORTED_LAYER_TYPES and t != "hybrid"]
+    if len(other) > mixers:
+        bad = sorted(set(other))
         raise ValueError(
             f"{name} has layers of type {', '.join(map(repr, bad))} (config.layer_types), which sequence-parallel "
-            f"attention cannot express (it supports {', '.join(SUPPORTED_LAYER_TYPES)}); linear / recurrent / "
-            "compressed layers would each see only their own shard. Train this model without sequence parallelism"
+            f"attention cannot express (it supports {', '.join(SUPPORTED_LAYER_TYPES)}), and {len(other)} such "
+            f"layers but {mixers} mixers with a sequence-parallel adapter (causal convolutions, gated DeltaNet, "
+            "Kimi delta attention, Mamba; see docs/architectures.md); the rest would each see only their own "
+            "shard. Train this model without sequence parallelism"
         )
+    return len(layer_types) - len(other)
 
 
 def pattern_of(attention_mask: Any, name: str) -> MaskPattern | None:

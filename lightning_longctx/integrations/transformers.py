@@ -37,6 +37,8 @@ from lightning_longctx.attention.ulysses import ulysses_attention
 from lightning_longctx.comm import Group, group_rank_size
 from lightning_longctx.config import MODES, ResolvedConfig, SequenceParallelConfig
 from lightning_longctx.integrations.context import SequenceParallelContext
+from lightning_longctx.integrations.hybrid import find_mixers, patch_mixers, unpatch_mixers
+from lightning_longctx.integrations.hybrid.base import halo_error, mixer_halo
 from lightning_longctx.integrations.lm_head import read_chunked_head
 from lightning_longctx.integrations.masks import (
     PositionsHook,
@@ -274,6 +276,8 @@ def _position_wise_norms(model: nn.Module) -> dict[str, nn.Module]:
             args[0].POSITIONAL_ONLY,
             args[0].POSITIONAL_OR_KEYWORD,
         )
+        if hasattr(m, "num_heads"):  # a per-head norm reshapes (xLSTM's: (b, s, h, d) -> (b, s, h*d))
+            continue
         if one_tensor and next(m.children(), None) is None and "experts" not in name.split("."):
             norms[name] = m
     return norms
@@ -379,14 +383,21 @@ def enable_sequence_parallel(
             f"this {name} is already sequence-parallel; call disable_sequence_parallel(model) before patching "
             "it again"
         )
-    check_layer_types(model, name)
-    if not getattr(model, "_supports_attention_backend", False):
+    mixers = find_mixers(model)  # hybrid models: convolutions, linear attention, state-space scans
+    attention_layers = check_layer_types(model, name, len(mixers))
+    # transformers marks hybrids as not supporting attention backends for their mixers' sake; their
+    # attention layers route through the interface (the strategy's first step counts them).
+    if not getattr(model, "_supports_attention_backend", False) and not mixers:
         raise ValueError(
             f"{name} does not route attention through transformers' AttentionInterface (it computes attention "
             "inline, as Falcon, Bloom, MPT, GPT-Neo do, or mixes tokens without attention, as RWKV and xLSTM "
             "do), so its token mixing cannot be made sequence-parallel. "
             "Use a model that supports attn_implementation='sdpa'/'flex_attention' (Llama, Qwen2/3, Mistral, ...)"
         )
+    halo = mixer_halo(mixers)
+    chunk = config.settings.fpdt_chunk_size if mode == "fpdt" else None
+    if chunk is not None and chunk < halo:  # every FPDT chunk is a segment that needs its halo
+        raise halo_error(name, halo, chunk)
     moe_plan = moe_aux_loss_plan(model)  # refuses an in-forward loss term it cannot compute over the group
     lm_head = None
     if mode == "fpdt" and model.get_output_embeddings() is not None:
@@ -395,7 +406,7 @@ def enable_sequence_parallel(
         group=group,
         config=config,
         model_name=name,
-        num_attention_layers=int(getattr(model.config, "num_hidden_layers", 0)),
+        num_attention_layers=attention_layers,
         lm_head=lm_head,
         moe_plan=moe_plan,
     )
@@ -407,7 +418,10 @@ def enable_sequence_parallel(
     ctx.key = f"longctx_{mode}_{id(ctx):x}"  # unique among live keys: the registry keeps ctx alive
     AttentionInterface.register(ctx.key, _SequenceParallelAttention(ctx))
     AttentionMaskInterface.register(ctx.key, SequenceParallelMask(ctx))
-    model.set_attn_implementation(ctx.key)
+    if attention_layers == 0 and mixers:  # attention-free (RWKV, xLSTM): no interface to set, the key only
+        model.config._attn_implementation = ctx.key  # names the context (context_of)
+    else:
+        model.set_attn_implementation(ctx.key)
     if model.config._attn_implementation != ctx.key:
         _unregister(ctx.key)
         raise RuntimeError(
@@ -421,6 +435,8 @@ def enable_sequence_parallel(
     ]
     model.config.use_cache = False
     model.loss_function = functools.partial(_hf_loss, ctx)
+    saved["mixers"] = patch_mixers(model, ctx, mixers)
+    ctx.num_mixers, ctx.mixer_halo = len(saved["mixers"]), halo
     if mode == "fpdt":
         from lightning_longctx.tiling import is_tiled, tile_mlp_
 
@@ -478,7 +494,10 @@ def disable_sequence_parallel(model: nn.Module) -> nn.Module:
     if ctx is None:
         return model
     saved = ctx.restore
-    model.set_attn_implementation(saved["attn_implementation"])
+    if ctx.num_attention_layers == 0 and ctx.num_mixers:
+        model.config._attn_implementation = saved["attn_implementation"]
+    else:
+        model.set_attn_implementation(saved["attn_implementation"])
     model.config.use_cache = saved["use_cache"]
     for attr, name in (("_loss_function", "loss_function"), ("forward", "forward")):
         if saved[name] is _UNSET:
@@ -487,6 +506,7 @@ def disable_sequence_parallel(model: nn.Module) -> nn.Module:
             model.__dict__[attr] = saved[name]
     for handle in saved.get("hooks", ()):
         handle.remove()
+    unpatch_mixers(saved.get("mixers", ()))
     modules = dict(model.named_modules())
     for name in (*saved.get("tiled_mlps", ()), *saved.get("tiled_norms", ())):
         untile_mlp_(modules[name])

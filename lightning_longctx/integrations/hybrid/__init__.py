@@ -1,0 +1,183 @@
+"""Hybrid models under sequence parallelism: the token mixers that are not attention (causal convolutions,
+linear attention, state-space scans) made exact across ranks by halo exchange and state passing.
+
+Mechanism. transformers' mixers call their kernels as module-level functions (``causal_conv1d_fn``,
+``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``, ...), each the fla / causal-conv1d / mamba-ssm
+kernel when installed, else the torch fallback. :func:`patch_mixers` finds every module of a model whose
+methods call one of the names in :data:`ADAPTERS` and gives that module (only that instance) copies of those
+methods in which the names resolve to our adapter around the model's own function: the same adapter serves
+the GPU kernels and the CPU fallbacks. Fused paths that cannot take an entry state are switched off
+(:data:`FUSED_OFF`: the model then takes its unfused path), decoding paths refuse (:data:`REFUSED`). Where the
+recurrence is a method or written inline (RecurrentGemma, MiniMax, RWKV's token shift, xLSTM's backend),
+:data:`METHODS` replaces that one method of the instance with an adapter around it.
+
+A mixer whose forward runs without calling an adapter (a path we did not adapt) raises at that call; a
+model with mixers that no adapter covers is refused at patch time (``integrations/masks.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from lightning_longctx.integrations.hybrid import (
+    conv,
+    delta_rule,
+    lightning,
+    mamba2,
+    rglru,
+    rwkv,
+    selective_scan,
+    xlstm,
+)
+from lightning_longctx.integrations.hybrid.base import MixerCall, global_names, rebind
+
+if TYPE_CHECKING:
+    from lightning_longctx.integrations.context import SequenceParallelContext
+
+_KINDS = (conv, delta_rule, mamba2, selective_scan, rglru, lightning, rwkv, xlstm)
+
+#: Kernel functions (module globals of transformers' modeling files) -> adapter(call, original, *args, **kw).
+ADAPTERS: dict[str, Callable[..., Any]] = {}
+#: Fused kernels that return ``None`` when unavailable, upon which the model takes its unfused path.
+FUSED_OFF: set[str] = set()
+#: Kernels of decoding with a cache (one token against a state): never reached in training, refused if so.
+REFUSED: set[str] = set()
+#: Mixer class name -> {method name: adapter(call, original bound method, *args, **kw)}: for mixers whose
+#: kernel is a method rather than a module global (RecurrentGemma's ``_rnn_scan``).
+METHODS: dict[str, dict[str, Callable[..., Any]]] = {}
+
+for _kind in _KINDS:  # one module per mixer kind, each declaring what it adapts
+    ADAPTERS.update(getattr(_kind, "ADAPTERS", {}))
+    FUSED_OFF.update(getattr(_kind, "FUSED_OFF", ()))
+    REFUSED.update(getattr(_kind, "REFUSED", ()))
+    METHODS.update(getattr(_kind, "METHODS", {}))
+
+
+def _fused_off(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _refused(call: MixerCall, name: str, *args: Any, **kwargs: Any) -> None:
+    call.refuse(name)
+
+
+@dataclass(eq=False)
+class PatchedMixer:
+    """One mixer module made sequence-parallel: the methods it got (instance attributes, removed on undo)."""
+
+    module: nn.Module
+    call: MixerCall
+    methods: list[str]
+
+
+def _adapted_methods(cls: type) -> dict[str, Callable[..., Any]]:
+    """The methods of ``cls`` (its own or inherited) whose bodies call an adapted kernel by name, and those
+    :data:`METHODS` adapts for its class."""
+    found: dict[str, Callable[..., Any]] = {}
+    for klass in reversed(cls.__mro__[:-1]):  # subclasses override
+        for attr, fn in vars(klass).items():
+            if isinstance(fn, types.FunctionType) and global_names(fn) & ADAPTERS.keys():
+                found[attr] = fn
+            elif attr in found:
+                del found[attr]
+    for name in METHODS.get(cls.__name__, {}):  # after the scan, which drops methods that name no kernel
+        found[name] = getattr(cls, name)
+    return found
+
+
+def _checked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A patched mixer's ``forward``: its own (kernel names rebound), then the check that it reached them.
+    A method over attributes of the module, so that a deep copy of the model calls its own copies."""
+    call: MixerCall = self._longctx_mixer
+    before = call.kernel_calls
+    out = self._longctx_forward(*args, **kwargs)
+    if call.kernel_calls == before:
+        raise RuntimeError(
+            f"{call.name}'s forward ran without its sequence-parallel kernels (it took a path they do not "
+            "cover, such as a fused or cached one), so it mixed only this rank's shard. Train it with "
+            "use_cache=False; if that is the case already, this model is not supported"
+        )
+    call.context.mixer_calls += 1
+    return out
+
+
+def _is_kernel(value: Any) -> bool:
+    """A kernel function of a transformers modeling file: wrapped by its hub-kernel decorator
+    (``use_kernel_func_from_hub_with_fallback``: fla / mamba-ssm / causal-conv1d or the torch fallback)."""
+    return (
+        isinstance(value, types.FunctionType)
+        and hasattr(value, "__wrapped__")
+        and (value.__module__ or "").startswith("transformers.models.")
+    )
+
+
+def find_mixers(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` whose methods call an adapted kernel (its hybrid mixers). A mixer that also
+    calls a kernel we have no adapter for is refused: adapting only part of it would be silently wrong."""
+    mixers = []
+    for module in model.modules():
+        methods = _adapted_methods(type(module))
+        if not methods:
+            continue
+        scope = inspect.unwrap(next(iter(methods.values()))).__globals__
+        names = set().union(*(global_names(fn) for fn in methods.values()))
+        known = ADAPTERS.keys() | FUSED_OFF | REFUSED
+        missing = sorted(n for n in names - known if _is_kernel(scope.get(n)))
+        if missing:
+            raise ValueError(
+                f"{type(module).__name__} calls {', '.join(missing)}, which has no sequence-parallel adapter "
+                f"(adapted: {', '.join(sorted(ADAPTERS))}); the layer would see only its own shard. Train this "
+                "model without sequence parallelism"
+            )
+        mixers.append(module)
+    return mixers
+
+
+def patch_mixers(
+    model: nn.Module, context: SequenceParallelContext, mixers: list[nn.Module] | None = None
+) -> list[PatchedMixer]:
+    """Give every mixer module of ``model`` (``mixers``: :func:`find_mixers`'s) sequence-parallel kernels;
+    returns what was patched."""
+    patched = []
+    for module in find_mixers(model) if mixers is None else mixers:
+        methods = _adapted_methods(type(module))
+        call = MixerCall(context, type(module).__name__)
+        names: set[str] = set()
+        for fn in methods.values():
+            names |= global_names(fn)
+        scope = inspect.unwrap(next(iter(methods.values()))).__globals__  # the modeling file's
+        overrides: dict[str, Any] = {}
+        for name in names & scope.keys():
+            if name in ADAPTERS:
+                overrides[name] = functools.partial(ADAPTERS[name], call, scope[name])
+            elif name in FUSED_OFF:
+                overrides[name] = _fused_off
+            elif name in REFUSED:
+                overrides[name] = functools.partial(_refused, call, name)
+        own = METHODS.get(type(module).__name__, {})
+        for attr, fn in methods.items():
+            if global_names(fn) & ADAPTERS.keys():
+                fn = rebind(fn, overrides)
+            method: Any = types.MethodType(fn, module)
+            if attr in own:  # the adapter wraps the model's own method (itself rebound, if it calls kernels)
+                method = functools.partial(own[attr], call, method)  # a deep copy rebinds it to the copy
+            setattr(module, attr, method)
+        module._longctx_mixer, module._longctx_forward = call, module.forward
+        module.forward = types.MethodType(_checked_forward, module)
+        patched.append(
+            PatchedMixer(module, call, [*methods, "forward", "_longctx_mixer", "_longctx_forward"])
+        )
+    return patched
+
+
+def unpatch_mixers(patched: list[PatchedMixer]) -> None:
+    for mixer in patched:
+        for attr in set(mixer.methods):
+            mixer.module.__dict__.pop(attr, None)

@@ -1,0 +1,45 @@
+"""Short causal depthwise convolutions (``causal_conv1d_fn``: gated DeltaNet, Kimi delta attention, Mamba-1/2,
+LFM2): each segment gets the last ``k-1`` inputs of the segment before it in global order (a halo), the
+model's own function runs on ``[halo | segment]`` and the first ``k-1`` outputs are dropped.
+
+Exact: output t reads inputs t-k+1..t, all of which ``[halo | segment]`` holds; the first segment's halo
+is zeros, the function's own left padding. Bytes per rank: ``(k-1) * channels * u * b`` elements each way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_longctx.comm import halo_exchange
+from lightning_longctx.integrations.hybrid.base import MixerCall, from_segments, to_segments
+
+
+def causal_conv1d(
+    sp: MixerCall,
+    original: Callable[..., torch.Tensor],
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``hidden_states`` ``(b, channels, s/P)``, ``weight`` ``(channels, k)``; returns ``(b, channels, s/P)``."""
+    if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
+        sp.refuse("its convolution with packed-sequence indices (seq_idx / cu_seqlens)")
+    halo = weight.shape[-1] - 1
+    local = hidden_states.shape[-1]
+    c = sp.check(local, halo=halo)
+    if halo == 0:
+        return original(hidden_states, weight, bias, activation=activation, **kwargs)
+    u = local // c
+    segs = to_segments(hidden_states, 2, c)  # (u*b, channels, c)
+    before = halo_exchange(segs[..., c - halo :].unflatten(0, (u, -1)), sp.group).flatten(0, 1)
+    out = original(torch.cat([before, segs], dim=-1), weight, bias, activation=activation, **kwargs)
+    return from_segments(out[..., halo:], 2, u)
+
+
+ADAPTERS = {"causal_conv1d_fn": causal_conv1d}
+REFUSED = {"causal_conv1d_update"}

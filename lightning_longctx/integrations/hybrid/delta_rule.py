@@ -1,0 +1,72 @@
+"""Chunked delta-rule linear attention (``torch_chunk_gated_delta_rule``: Qwen3-Next, Qwen3.5, OLMo-hybrid;
+``chunk_kimi_delta_attention``: Kimi-Linear) across ranks by state passing.
+
+The state ``S`` ``(heads, d_k, d_v)`` evolves as ``S_t = A_t S_{t-1} + k_t b_tᵀ`` (``A_t`` a decayed
+Householder-like ``d_k x d_k`` map) and ``o_t = S_tᵀ q_t``: affine in the entry state of a segment,
+``S_out = M S_in + B`` and ``o_t = o⁰_t + R_t S_in``. One call of the model's own function computes all four
+(the identity-column trick): values ``[v | 0]`` (``d_k`` zero columns) from the entry state ``[0 | I]``. The
+columns evolve independently, so the outputs are ``[o⁰ | R]`` and the final state ``[B | M]``; cost: ``d_k``
+extra value columns. :func:`~lightning_longctx.comm.exclusive_affine_scan` then gives each segment its
+``S_in``, and ``o = o⁰ + R S_in``. Autograd runs through the model's function; the scan's backward carries
+the state gradients across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_longctx.comm import exclusive_affine_scan
+from lightning_longctx.integrations.hybrid.base import MixerCall, from_segments, to_segments
+
+
+def chunk_delta_rule(
+    sp: MixerCall,
+    original: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``query``/``key`` ``(b, s/P, h_k, d_k)``, ``value`` ``(b, s/P, h_v, d_v)``, ``g`` ``(b, s/P, h_v)`` (or
+    ``(b, s/P, h_v, d_k)`` for Kimi), ``beta`` ``(b, s/P, h_v)``; returns ``((b, s/P, h_v, d_v), None)``."""
+    if initial_state is not None or output_final_state:
+        sp.refuse("its delta rule with a recurrent state in or out (a cache)")
+    if kwargs.get("cu_seqlens") is not None:
+        sp.refuse("its delta rule with packed-sequence offsets (cu_seqlens)")
+    c = sp.check(query.shape[1])
+    u = query.shape[1] // c
+    q, k, v, g, beta = (to_segments(x, 1, c) for x in (query, key, value, g, beta))  # (u*b, c, ...)
+    n, _, heads, d_v = v.shape
+    d_k = k.shape[-1]
+    identity = torch.eye(d_k, dtype=torch.float32, device=v.device).expand(n, heads, d_k, d_k)
+    entry = torch.cat([identity.new_zeros(n, heads, d_k, d_v), identity], dim=-1)  # [0 | I]
+    out, final = original(
+        q,
+        k,
+        torch.cat([v, v.new_zeros(n, c, heads, d_k)], dim=-1),  # [v | 0]
+        g=g,
+        beta=beta,
+        chunk_size=chunk_size,
+        initial_state=entry,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        **kwargs,
+    )
+    o0, R = out[..., :d_v], out[..., d_v:]  # (n, c, h, d_v), (n, c, h, d_k)
+    B, M = final[..., :d_v], final[..., d_v:]  # (n, h, d_k, d_v), (n, h, d_k, d_k)
+    S = exclusive_affine_scan(M.unflatten(0, (u, -1)), B.unflatten(0, (u, -1)), torch.matmul, sp.group)
+    correction = torch.einsum("nchk,nhkv->nchv", R.float(), S.flatten(0, 1))
+    return from_segments(o0 + correction.to(o0.dtype), 1, u), None
+
+
+ADAPTERS = {"torch_chunk_gated_delta_rule": chunk_delta_rule, "chunk_kimi_delta_attention": chunk_delta_rule}
+REFUSED = {"torch_recurrent_gated_delta_rule", "recurrent_kimi_delta_attention"}

@@ -1,0 +1,241 @@
+"""Hybrid mixers: the two communication primitives against a one-process reference (P = 1, 2, 4; contiguous
+and FPDT layouts; forward and backward in float64), and the patching rules (refusals, undo, deep copy).
+Whole models: tests/arch_sweep.py (every hybrid, both modes) and tests/test_strategy.py (Trainer runs)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_longctx import disable_sequence_parallel, enable_sequence_parallel, shard_batch
+from lightning_longctx.comm import count_all_to_all, exclusive_affine_scan, halo_exchange
+from lightning_longctx.integrations.hybrid import find_mixers
+from lightning_longctx.sharding import shard_sequence
+
+B, CH, HALO = 2, 3, 2  # rows, channels, halo (a kernel of 3)
+EXACT_HYBRIDS = 17  # of the sweep's 17 hybrid / attention-free models, at least this many are exact (P = 4)
+
+
+def _halo_case(n: int, chunk: int | None) -> dict[str, float]:
+    """halo_exchange vs slicing the global sequence: the values, the gradient and the bytes sent."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    x = torch.randn(B, n, CH, dtype=torch.float64, requires_grad=True)
+    seg = n // world if chunk is None else chunk
+    n_seg = n // seg
+    W = torch.randn(n_seg, B, HALO, CH, dtype=torch.float64)
+    padded = torch.cat([x.new_zeros(B, HALO, CH), x], dim=1)
+    ref = torch.stack([padded[:, g * seg : g * seg + HALO] for g in range(n_seg)])  # (G, b, HALO, ch)
+    (ref * W).sum().backward()
+    ref_grad, x.grad = x.grad.clone(), None
+
+    local = shard_sequence(x, group=dist.group.WORLD, chunk_size=chunk)  # differentiable: a slice of x
+    segs = local.unflatten(1, (-1, seg)).transpose(0, 1)  # (u, b, seg, ch), global segment i * P + rank
+    mine = list(range(rank, n_seg, world))
+    with count_all_to_all() as count:
+        halo = halo_exchange(segs[:, :, -HALO:], dist.group.WORLD)  # (u, b, HALO, ch)
+    (halo * W[mine]).sum().backward()
+    grad = x.grad.clone()
+    dist.all_reduce(grad)  # each rank's x.grad covers what its own segments fed
+    expected_bytes = 0 if world == 1 else halo.numel() * halo.element_size()
+    return {
+        "forward": (halo - ref[mine]).abs().max().item(),
+        "backward": (grad - ref_grad).abs().max().item(),
+        "bytes_ok": float(count.exchange_bytes == expected_bytes),
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_halo_exchange_matches_the_global_sequence(dist_pool, world, chunk):
+    for errs in dist_pool(world).run(_halo_case, 16, chunk):
+        assert errs["forward"] == 0.0 and errs["backward"] < 1e-12, errs
+        assert errs["bytes_ok"] == 1.0, "the exchange counter must equal the halo's bytes"
+
+
+def _scan_case(n_seg_per_rank: int, kind: str) -> dict[str, float]:
+    """exclusive_affine_scan vs the sequential fold over all segments in global order, and its gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    total = n_seg_per_rank * world
+    if kind == "dense":  # gated DeltaNet: (heads, dk, dk) maps of (heads, dk, dv) states
+        M = torch.randn(total, B, 2, 3, 3, dtype=torch.float64) * 0.5
+        apply = torch.matmul
+    else:  # Mamba: one decay per head
+        M = torch.rand(total, B, 2, 1, 1, dtype=torch.float64)
+        apply = torch.mul
+    Bs = torch.randn(total, B, 2, 3, 4, dtype=torch.float64)
+    W = torch.randn(total, B, 2, 3, 4, dtype=torch.float64)
+    M.requires_grad_(), Bs.requires_grad_()
+    states = [torch.zeros_like(Bs[0])]
+    for g in range(total - 1):
+        states.append(apply(M[g], states[-1]) + Bs[g])
+    ref = torch.stack(states)
+    (ref * W).sum().add(0 * (M.sum() + Bs.sum())).backward()  # one segment: nothing depends on them
+    mine = list(range(rank, total, world))  # global segment g = i * P + rank
+    m_local = M.detach()[mine].clone().requires_grad_()
+    b_local = Bs.detach()[mine].clone().requires_grad_()
+    got = exclusive_affine_scan(m_local, b_local, apply, dist.group.WORLD)
+    (got * W[mine]).sum().backward()
+    return {
+        "forward": (got - ref[mine]).abs().max().item(),
+        "dM": (m_local.grad - M.grad[mine]).abs().max().item(),
+        "dB": (b_local.grad - Bs.grad[mine]).abs().max().item(),
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("segments", [1, 3])
+@pytest.mark.parametrize("kind", ["dense", "scalar"])
+def test_exclusive_affine_scan_matches_the_sequential_fold(dist_pool, world, segments, kind):
+    for errs in dist_pool(world).run(_scan_case, segments, kind):
+        assert max(errs.values()) < 1e-12, errs
+
+
+# ---- patching rules --------------------------------------------------------------------------------
+
+
+def _hybrid(seed: int = 0) -> nn.Module:
+    from hf_models import tiny_model
+
+    return tiny_model("qwen3_5", seed=seed)
+
+
+def _packed_batch_refused() -> str:
+    model = enable_sequence_parallel(_hybrid(), group=dist.group.WORLD)
+    ids = torch.randint(1, 60, (1, 16))
+    pos = torch.cat([torch.arange(10), torch.arange(6)])[None]  # two documents in one row
+    try:
+        model(**shard_batch({"input_ids": ids, "labels": ids, "position_ids": pos}, group=dist.group.WORLD))
+    except ValueError as e:
+        return str(e)
+    finally:
+        disable_sequence_parallel(model)
+    return ""
+
+
+def test_packed_documents_are_refused_by_recurrent_mixers(dist_pool):
+    for message in dist_pool(2).run(_packed_batch_refused):
+        assert "packs several documents" in message and "mixers" in message
+
+
+def test_undo_and_deep_copy():
+    model = _hybrid()
+    before = {name: dict(m.__dict__) for name, m in model.named_modules()}
+    enable_sequence_parallel(model)
+    mixers = find_mixers(model)
+    assert [type(m).__name__ for m in mixers] == ["Qwen3_5GatedDeltaNet"]
+    assert "forward" in mixers[0].__dict__
+    twin = copy.deepcopy(model)  # a deep copy calls its own mixers' copies, not the original's
+    twin_mixer = find_mixers(twin)[0]
+    assert twin_mixer.forward.__self__ is twin_mixer
+    assert twin_mixer._longctx_forward.__self__ is twin_mixer
+    ids = torch.randint(1, 60, (1, 8))
+    out = twin(
+        input_ids=ids, labels=ids, shift_labels=torch.roll(ids, -1, 1), position_ids=torch.arange(8)[None]
+    )
+    assert torch.isfinite(out.loss)
+    disable_sequence_parallel(model)
+    after = {name: dict(m.__dict__) for name, m in model.named_modules()}
+    assert after.keys() == before.keys()
+    for name in before:
+        assert after[name].keys() == before[name].keys(), f"{name} kept patched attributes"
+
+
+def unadapted_scan(x: torch.Tensor) -> torch.Tensor:  # a "kernel" of a modeling file we have no adapter for
+    return x.cumsum(1)
+
+
+unadapted_scan.__wrapped__ = unadapted_scan.__code__  # what the hub-kernel decorator leaves
+unadapted_scan.__module__ = "transformers.models.fake.modeling_fake"
+
+
+def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
+    return x
+
+
+class _HalfAdaptedMixer(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return unadapted_scan(causal_conv1d_fn(x, torch.ones(1, 2)))
+
+
+class _SometimesMixer(nn.Module):
+    def forward(self, x: torch.Tensor, mix: bool = True) -> torch.Tensor:
+        return causal_conv1d_fn(x, torch.ones(x.shape[1], 2)) if mix else x
+
+
+def test_a_mixer_with_an_unadapted_kernel_is_refused():
+    with pytest.raises(
+        ValueError, match=r"_HalfAdaptedMixer calls unadapted_scan, which has no sequence-parallel"
+    ):
+        find_mixers(nn.Sequential(_HalfAdaptedMixer()))
+
+
+def test_a_mixer_call_that_skips_its_kernels_raises():
+    from lightning_longctx.integrations.hybrid import patch_mixers, unpatch_mixers
+    from lightning_longctx.integrations.transformers import _config_of
+
+    class _Ctx:  # the fields MixerCall reads
+        group = None
+        call_position_ids = None
+        positions = None
+        mixer_calls = 0
+        config = _config_of(None, "ulysses", None, False, "auto", None, None)
+
+        def local_chunk(self, n: int) -> None:
+            return None
+
+    mixer = _SometimesMixer()
+    patched = patch_mixers(nn.Sequential(mixer), _Ctx())
+    x = torch.randn(1, 3, 5)
+    assert torch.equal(mixer(x), x)  # the adapter ran: a halo of zeros, then the model's own function
+    with pytest.raises(RuntimeError, match="ran without its sequence-parallel kernels"):
+        mixer(x, mix=False)
+    unpatch_mixers(patched)
+    assert "forward" not in mixer.__dict__
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ulysses", "fpdt"])
+def test_hybrids_at_four_ranks(dist_pool, mode):
+    """The sweep's hybrid and attention-free models at P = 4 (the sweep itself runs P = 2): exact or refused,
+    never wrong; 8 tokens per rank, FPDT in 2 chunks of 4."""
+    from arch_sweep import HYBRIDS, sweep
+
+    rows = dist_pool(4).run(sweep, mode, list(HYBRIDS))[0]
+    wrong = [(r["arch"], r["reason"], r.get("bad_params", [])[:4]) for r in rows if r["verdict"] == "WRONG"]
+    assert not wrong, wrong
+    assert sum(r["verdict"] == "exact" for r in rows) >= EXACT_HYBRIDS, [
+        (r["arch"], r["verdict"]) for r in rows
+    ]
+
+
+#: Trainer runs a hybrid refuses on EVERY rank before the forward (fuzz finds, tests/fuzz_strategy.py)
+REFUSED_RUNS = {
+    # dp ranks see different samples: the packed-rows refusal is agreed by an all-reduce before the forward
+    # (raised inside it on rank 0 only, rank 1 waited in DDP's all-reduce: a deadlock)
+    "bamba_dp2_packed": ("packs several documents", dict(
+        arch="bamba", world=2, sp=1, seq=16, activation_offload=True, packed=True, seed=39962)),
+    # a chunk shorter than the conv's halo, refused at patch time (inside the forward, FSDP's teardown broke)
+    "olmo_hybrid_fsdp_offload_chunk_below_halo": ("fpdt_chunk_size >= 3", dict(
+        arch="olmo_hybrid", world=1, sp=1, seq=16, fpdt_chunk_size=2, offload=True, activation_offload=True,
+        data_parallel="fsdp", cpu_offload=True, seed=1)),
+    # Ulysses with 2 tokens per rank: a segment shorter than the halo, refused before the forward
+    "qwen3_5_sp4_two_tokens_per_rank": ("needs the last 3 tokens", dict(
+        arch="qwen3_5_text", world=4, sp=4, seq=8, data_parallel="fsdp", seed=3)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(REFUSED_RUNS))
+def test_trainer_refuses_on_every_rank(dist_pool, name):
+    from fuzz_common import run_verdict
+    from fuzz_strategy import TIMEOUT_S, TOLERANCE, StratCase, run_strategy
+
+    expected, fields = REFUSED_RUNS[name]
+    case = StratCase(**fields)
+    verdict = run_verdict(dist_pool, case.world, run_strategy, case, TOLERANCE, TIMEOUT_S)
+    assert verdict.kind == "refused" and expected in verdict.detail, verdict
