@@ -431,7 +431,9 @@ class UlyssesFPDTStrategy(DDPStrategy):
             return
         packed = any(ctx.positions is not None and ctx.positions.documents() is not None for ctx in hybrids)
         short = any((chunk or local_len) < ctx.mixer_halo for ctx in hybrids)
-        flags = all_reduce_no_grad(torch.tensor([float(packed), float(short)]), op="max")
+        flags = all_reduce_no_grad(
+            torch.tensor([float(packed), float(short)], device=self.root_device), op="max"
+        )
         ctx = hybrids[0]
         if flags[0]:
             raise packed_documents_error(ctx.model_name)

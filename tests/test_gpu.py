@@ -361,3 +361,24 @@ def test_activation_offload_bit_identical_and_frees_device_memory():
     assert host0 == 0 and host1 == inputs and fetched == 2
     if CUDA:
         assert held0 - held1 >= inputs, (held0, held1, inputs)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba"])
+def test_hybrid_adapters_on_the_device(arch):
+    """Hybrid mixers (causal conv halo + gated DeltaNet / Mamba-2 state passing) on the device at P = 1 in the
+    FPDT layout: 4 segments of 8 tokens, each joined to the one before by the adapters, against the plain
+    model on the whole sequence (fp32: loss and every gradient)."""
+    torch.manual_seed(0)
+    ref = tiny_model(arch).to(DEVICE)
+    sp = copy.deepcopy(ref)
+    ids = torch.randint(1, 64, (2, 32), device=DEVICE)
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    enable_sequence_parallel(sp, mode="fpdt", chunk_size=8)
+    batch = shard_batch({"input_ids": ids, "labels": ids}, chunk_size=8)
+    loss = sp(**batch).loss
+    loss.backward()
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    scale = max(p.grad.abs().max().item() for p in ref.parameters())
+    for (name, p), q in zip(ref.named_parameters(), sp.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-4 * scale, name

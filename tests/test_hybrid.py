@@ -239,3 +239,30 @@ def test_trainer_refuses_on_every_rank(dist_pool, name):
     case = StratCase(**fields)
     verdict = run_verdict(dist_pool, case.world, run_strategy, case, TOLERANCE, TIMEOUT_S)
     assert verdict.kind == "refused" and expected in verdict.detail, verdict
+
+
+def _inference_losses(mode: str) -> dict[str, float]:
+    """Every hybrid's loss under ``torch.inference_mode`` (validation), SP against one process: relative error."""
+    from arch_sweep import HYBRIDS, MODES, arch_by_name, build_model, make_batch
+
+    errors = {}
+    for name in HYBRIDS:
+        model = build_model(arch_by_name(name)).eval()
+        batch = make_batch()
+        with torch.inference_mode():
+            ref = model(**batch).loss.item()
+            enable_sequence_parallel(model, group=dist.group.WORLD, mode=mode, chunk_size=MODES[mode])
+            try:
+                got = model(**shard_batch(batch, group=dist.group.WORLD, chunk_size=MODES[mode])).loss.item()
+            finally:
+                disable_sequence_parallel(model)
+        errors[name] = abs(got - ref) / abs(ref)
+    return errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ulysses", "fpdt"])
+def test_hybrids_under_inference_mode(dist_pool, mode):
+    """Validation runs the adapters under ``torch.inference_mode`` (no autograd graph, inference tensors)."""
+    for errors in dist_pool(2).run(_inference_losses, mode):
+        assert max(errors.values()) < 1e-5, errors
