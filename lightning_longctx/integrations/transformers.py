@@ -390,8 +390,8 @@ def enable_sequence_parallel(
     if not getattr(model, "_supports_attention_backend", False) and not mixers:
         raise ValueError(
             f"{name} does not route attention through transformers' AttentionInterface (it computes attention "
-            "inline, as Falcon, Bloom, MPT, GPT-Neo do, or mixes tokens without attention, as RWKV and xLSTM "
-            "do), so its token mixing cannot be made sequence-parallel. "
+            "inline, as Falcon, Bloom, MPT, GPT-Neo do) and has no token mixer with a sequence-parallel adapter "
+            "(integrations/hybrid), so its token mixing cannot be made sequence-parallel. "
             "Use a model that supports attn_implementation='sdpa'/'flex_attention' (Llama, Qwen2/3, Mistral, ...)"
         )
     halo = mixer_halo(mixers)
