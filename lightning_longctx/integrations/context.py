@@ -96,6 +96,12 @@ class SequenceParallelContext:
     def __deepcopy__(self, memo: dict[int, Any]) -> SequenceParallelContext:
         return self
 
+    @property
+    def attention_free(self) -> bool:
+        """A model whose every token mixer is a patched hybrid mixer (RWKV, xLSTM, Mamba): no attention layer
+        reads the key, which only names this context (``context_of``)."""
+        return self.num_attention_layers == 0 and self.num_mixers > 0
+
     def __reduce__(self) -> Any:
         raise TypeError(
             "a sequence-parallel model holds its process group and cannot be pickled; call "

@@ -315,9 +315,9 @@ def check_layer_types(model: nn.Module, name: str, mixers: int) -> int:
         raise ValueError(
             f"{name} has layers of type {', '.join(map(repr, bad))} (config.layer_types), which sequence-parallel "
             f"attention cannot express (it supports {', '.join(SUPPORTED_LAYER_TYPES)}), and {len(other)} such "
-            f"layers but {mixers} mixers with a sequence-parallel adapter (causal convolutions, gated DeltaNet, "
-            "Kimi delta attention, Mamba; see docs/architectures.md); the rest would each see only their own "
-            "shard. Train this model without sequence parallelism"
+            f"layers but {mixers} mixers with a sequence-parallel adapter (lightning_longctx/integrations/hybrid; "
+            "docs/architectures.md lists the supported ones); the rest would each see only their own shard. "
+            "Train this model without sequence parallelism"
         )
     return len(layer_types) - len(other)
 

@@ -407,6 +407,8 @@ def enable_sequence_parallel(
         config=config,
         model_name=name,
         num_attention_layers=attention_layers,
+        num_mixers=len(mixers),
+        mixer_halo=halo,
         lm_head=lm_head,
         moe_plan=moe_plan,
     )
@@ -418,8 +420,8 @@ def enable_sequence_parallel(
     ctx.key = f"longctx_{mode}_{id(ctx):x}"  # unique among live keys: the registry keeps ctx alive
     AttentionInterface.register(ctx.key, _SequenceParallelAttention(ctx))
     AttentionMaskInterface.register(ctx.key, SequenceParallelMask(ctx))
-    if attention_layers == 0 and mixers:  # attention-free (RWKV, xLSTM): no interface to set, the key only
-        model.config._attn_implementation = ctx.key  # names the context (context_of)
+    if ctx.attention_free:  # RWKV, xLSTM: no interface to set (transformers refuses), the key names ctx
+        model.config._attn_implementation = ctx.key
     else:
         model.set_attn_implementation(ctx.key)
     if model.config._attn_implementation != ctx.key:
@@ -436,7 +438,6 @@ def enable_sequence_parallel(
     model.config.use_cache = False
     model.loss_function = functools.partial(_hf_loss, ctx)
     saved["mixers"] = patch_mixers(model, ctx, mixers)
-    ctx.num_mixers, ctx.mixer_halo = len(saved["mixers"]), halo
     if mode == "fpdt":
         from lightning_longctx.tiling import is_tiled, tile_mlp_
 
@@ -494,7 +495,7 @@ def disable_sequence_parallel(model: nn.Module) -> nn.Module:
     if ctx is None:
         return model
     saved = ctx.restore
-    if ctx.num_attention_layers == 0 and ctx.num_mixers:
+    if ctx.attention_free:
         model.config._attn_implementation = saved["attn_implementation"]
     else:
         model.set_attn_implementation(saved["attn_implementation"])

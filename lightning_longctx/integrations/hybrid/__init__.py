@@ -118,6 +118,12 @@ def _is_kernel(value: Any) -> bool:
     )
 
 
+def _kernels_of(methods: dict[str, Callable[..., Any]]) -> tuple[set[str], dict[str, Any]]:
+    """The global names a mixer's methods read, and the modeling file's namespace they resolve in."""
+    names = set().union(*(global_names(fn) for fn in methods.values()))
+    return names, inspect.unwrap(next(iter(methods.values()))).__globals__
+
+
 def find_mixers(model: nn.Module) -> list[nn.Module]:
     """The modules of ``model`` whose methods call an adapted kernel (its hybrid mixers). A mixer that also
     calls a kernel we have no adapter for is refused: adapting only part of it would be silently wrong."""
@@ -126,8 +132,7 @@ def find_mixers(model: nn.Module) -> list[nn.Module]:
         methods = _adapted_methods(type(module))
         if not methods:
             continue
-        scope = inspect.unwrap(next(iter(methods.values()))).__globals__
-        names = set().union(*(global_names(fn) for fn in methods.values()))
+        names, scope = _kernels_of(methods)
         known = ADAPTERS.keys() | FUSED_OFF | REFUSED
         missing = sorted(n for n in names - known if _is_kernel(scope.get(n)))
         if missing:
@@ -149,10 +154,7 @@ def patch_mixers(
     for module in find_mixers(model) if mixers is None else mixers:
         methods = _adapted_methods(type(module))
         call = MixerCall(context, type(module).__name__)
-        names: set[str] = set()
-        for fn in methods.values():
-            names |= global_names(fn)
-        scope = inspect.unwrap(next(iter(methods.values()))).__globals__  # the modeling file's
+        names, scope = _kernels_of(methods)
         overrides: dict[str, Any] = {}
         for name in names & scope.keys():
             if name in ADAPTERS:

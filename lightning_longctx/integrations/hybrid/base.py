@@ -11,6 +11,7 @@ convolutions) or :func:`~lightning_longctx.comm.exclusive_affine_scan` (recurren
 from __future__ import annotations
 
 import inspect
+import itertools
 import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -140,8 +141,7 @@ def rebind(fn: Callable[..., Any], overrides: dict[str, Any]) -> Callable[..., A
     scope = {**inner.__globals__, **overrides}
     new = types.FunctionType(inner.__code__, scope, inner.__name__, inner.__defaults__, inner.__closure__)
     new.__kwdefaults__ = inner.__kwdefaults__
-    for layer in reversed(layers[:-1]):
-        below = layers[layers.index(layer) + 1]
+    for layer, below in reversed(list(itertools.pairwise(layers))):
         cells = layer.__closure__ or ()
         if not any(cell.cell_contents is below for cell in cells):
             raise TypeError(
