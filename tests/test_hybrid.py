@@ -17,7 +17,9 @@ from lightning_longctx.integrations.hybrid import find_mixers
 from lightning_longctx.sharding import shard_sequence
 
 B, CH, HALO = 2, 3, 2  # rows, channels, halo (a kernel of 3)
-EXACT_HYBRIDS = 17  # of the sweep's 17 hybrid / attention-free models, at least this many are exact (P = 4)
+EXACT_HYBRIDS = (
+    17  # of the sweep's 17 hybrid / attention-free models, at least this many are exact (P = 1, 4)
+)
 
 
 def _halo_case(n: int, chunk: int | None) -> dict[str, float]:
@@ -200,13 +202,15 @@ def test_a_mixer_call_that_skips_its_kernels_raises():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 4])
 @pytest.mark.parametrize("mode", ["ulysses", "fpdt"])
-def test_hybrids_at_four_ranks(dist_pool, mode):
-    """The sweep's hybrid and attention-free models at P = 4 (the sweep itself runs P = 2): exact or refused,
-    never wrong; 8 tokens per rank, FPDT in 2 chunks of 4."""
+def test_hybrids_at_one_and_four_ranks(dist_pool, mode, world):
+    """The sweep's hybrid and attention-free models at P = 1 and 4 (the sweep itself runs P = 2): exact or
+    refused, never wrong. P = 4: 8 tokens per rank, FPDT in 2 chunks of 4; P = 1: FPDT in 8 segments of 4 joined
+    by the adapters on one rank."""
     from arch_sweep import HYBRIDS, sweep
 
-    rows = dist_pool(4).run(sweep, mode, list(HYBRIDS))[0]
+    rows = dist_pool(world).run(sweep, mode, list(HYBRIDS))[0]
     wrong = [(r["arch"], r["reason"], r.get("bad_params", [])[:4]) for r in rows if r["verdict"] == "WRONG"]
     assert not wrong, wrong
     assert sum(r["verdict"] == "exact" for r in rows) >= EXACT_HYBRIDS, [
