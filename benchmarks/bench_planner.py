@@ -106,7 +106,7 @@ def _point(args: argparse.Namespace, point: dict[str, Any]) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     from lightning_longctx import UlyssesFPDTStrategy
-    from lightning_longctx.models import CausalLM
+    from lightning_longctx.recipes import CausalLM
 
     class StepMemory(L.Callback):
         """RSS before the model exists (setup), and around step ``args.measure_step``."""

@@ -1,7 +1,8 @@
 """Helpers shared by the benchmark scripts; they know nothing about any one benchmark.
 
-:func:`launch` is the one way the benchmarks start ranks. What the package already measures is used
-from it, not copied here: ``host_rss_bytes`` / ``max_over_ranks`` (``lightning_longctx.callbacks.memory``),
+:func:`launch` (the tests' launcher, ``tests/helpers/launch.py``: one way to start ranks for both) starts
+the ranks, fresh processes for every measured point. What the package already measures is used from it,
+not copied here: ``host_rss_bytes`` / ``max_over_ranks`` (``lightning_longctx.callbacks.memory``),
 the FLOP formulas and peak table (``lightning_longctx.flops``), ``count_all_to_all``
 (``lightning_longctx.comm``), ``offloaded_bytes`` (``lightning_longctx.attention.offload``).
 
@@ -13,128 +14,22 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import multiprocessing as mp
 import os
 import platform
-import queue
-import socket
 import sys
-import tempfile
-import time
-import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
+# the one launcher, shared with the tests (tests/helpers/launch.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers.launch import Launch, free_port, launch  # noqa: F401  (re-exported for the scripts)
+
 MIB = float(1 << 20)
 GIB = float(1 << 30)
-
-#: imported once by the fork server, so a rank starts in ~1 s instead of ~15 s of imports on 2 loaded cores
-PRELOAD = ["__main__", "torch", "lightning", "transformers.models.llama.modeling_llama", "lightning_longctx"]
-#: inherited variables that would make Lightning or torch.distributed join another job
-LAUNCHER_VARS = ("TORCHELASTIC", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_", "GROUP_", "SLURM_")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Launch:
-    """What :func:`launch` brought back: each rank's return value in rank order (None where none came)."""
-
-    results: list[Any]
-    error: str | None  # None when every rank returned
-    timed_out: bool
-    log: str  # the tail of every rank's output when something failed, else ""
-    wall_s: float
-
-    def check(self) -> list[Any]:
-        """The results, or ``RuntimeError`` with the error and the ranks' logs."""
-        if self.error:
-            raise RuntimeError(f"{self.error}\n{self.log}")
-        return self.results
-
-
-def _rank_main(fn: Callable[..., Any], args: tuple, rank: int, world: int, port: int, threads: int | None,
-               logdir: str, outbox: Any) -> None:  # fmt: skip
-    for key in [k for k in os.environ if k.startswith(LAUNCHER_VARS)]:
-        del os.environ[key]
-    if world > 1:  # LOCAL_RANK tells Lightning the processes exist already (it launches none itself)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                          WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")  # fmt: skip
-    log = os.open(Path(logdir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(log, 1)  # Lightning's chatter goes to the log, shown when the launch fails
-    os.dup2(log, 2)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        outbox.put((rank, True, fn(*args)))
-    except BaseException:
-        outbox.put((rank, False, traceback.format_exc()))
-        sys.exit(1)
-
-
-def launch(
-    fn: Callable[..., Any], world: int, *args: Any, threads: int | None = 1, timeout_s: float = 600.0
-) -> Launch:
-    """Run ``fn(*args)`` on ``world`` fresh processes and collect what each returns.
-
-    The processes are forked from a server that imported :data:`PRELOAD` once: fresh (no CUDA context,
-    no allocations of an earlier point) and quick to start. Each gets the variables torchrun sets
-    (``MASTER_ADDR/PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``), so a ``lightning.Trainer`` takes
-    them as launched externally and ``dist.init_process_group(backend)`` reads them; no group is
-    created here, the backend (gloo, NCCL) is the caller's. ``threads`` intra-op threads per rank
-    (None: torch's default). ``fn`` must be defined at module level and return something picklable.
-    A rank that raises, dies or is still running after ``timeout_s`` ends the launch: every rank
-    still alive is killed and ``error`` says why.
-    """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts: the first launch
-    outbox = ctx.Queue()
-    port, t0 = free_port(), time.perf_counter()
-    results: dict[int, Any] = {}
-    error, timed_out = None, False
-    with tempfile.TemporaryDirectory(prefix="bench_ranks_") as logdir:
-        procs = [
-            ctx.Process(target=_rank_main, args=(fn, args, r, world, port, threads, logdir, outbox))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        while len(results) < world and error is None:
-            try:
-                rank, ok, payload = outbox.get(timeout=0.5)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
-                if dead and outbox.empty():  # a result put before exiting is readable by now
-                    error = f"rank(s) {dead} exited with {[procs[r].exitcode for r in dead]}, no result"
-                elif time.monotonic() > deadline:
-                    error, timed_out = f"timed out after {timeout_s:.0f}s", True
-                continue
-            if ok:
-                results[rank] = payload
-            else:
-                error = f"rank {rank} of {world} failed:\n{payload}"
-        for p in procs:
-            if error is None:
-                p.join(timeout=30)  # a rank that returned is tearing down
-            if p.is_alive():  # after a failure the others would wait in a collective forever
-                p.kill()
-            p.join(5)
-        log = ""
-        if error:
-            logs = sorted(Path(logdir).glob("rank*.log"))
-            log = "".join(f"--- {p.stem} ---\n{p.read_text(errors='replace')[-1500:]}" for p in logs)
-    return Launch([results.get(r) for r in range(world)], error, timed_out, log, time.perf_counter() - t0)
-
 
 #: benchmark mode -> UlyssesFPDTStrategy settings (besides the sizes); "single" runs without the strategy
 STRATEGY_MODES: dict[str, dict[str, Any]] = {

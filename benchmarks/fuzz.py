@@ -43,8 +43,8 @@ def search(
     target: str, trials: int, seed: int, quiet: bool = False, archs: list[str] | None = None
 ) -> list[dict]:
     """Run ``trials`` drawn cases (hypothesis, seeded, no shrinking, no database); one row per trial."""
-    from _dist import WarmPools
     from fuzz_common import run_verdict
+    from helpers.launch import WarmPools
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
 

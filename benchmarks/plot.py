@@ -12,6 +12,7 @@ the scripts that write a PNG beside their JSON (``bench_memory.py``, ``bench_soa
 | memory               | bench_memory.py                   | memory.png (+ ``<stem>.png`` others)     |
 | soak                 | bench_soak.py                     | soak.png                                 |
 | gpu_mfu              | gpu/longctx.py mfu (check.sh)     | gpu_mfu.png                              |
+| checkpoint           | bench_checkpoint.py               | checkpoint.png                           |
 
 Files of another kind, unreadable files and missing ones are skipped with a note; a plot that fails
 prints why and the others are still written. Every figure's footer says the date, machine and command
@@ -225,7 +226,32 @@ def plot_gpu_mfu(data: dict[str, Any]) -> Any:
     return fig
 
 
+def plot_checkpoint(data: dict[str, Any]) -> Any:
+    """Full vs sharded vs async checkpoints: save / load seconds, and the peak RSS each adds per rank."""
+    rows = [r for r in data["rows"] if r.get("status") == "ok"]
+    fig, (ax_t, ax_m) = _figure(2)
+    xs = range(len(rows))
+    bars = {"save_s": "save (committed)", "blocking_s": "save, blocking part", "load_s": "load"}
+    for i, (key, label) in enumerate(bars.items()):
+        ax_t.bar([x + (i - 1) * 0.27 for x in xs], [r.get(key) or 0 for r in rows], 0.27, label=label)
+    mems = {"save_mem_peak_rank0": "save, rank 0", "save_mem_peak_others": "save, max other rank",
+            "load_mem_peak_rank0": "load, rank 0", "load_mem_peak_others": "load, max other rank"}  # fmt: skip
+    for i, (key, label) in enumerate(mems.items()):
+        ax_m.bar([x + (i - 1.5) * 0.2 for x in xs], [(r.get(key) or 0) / MIB for r in rows], 0.2, label=label)
+    cfg = data.get("config", {})
+    shape = f"{(data.get('parameters') or 0) / 1e6:.0f}M-param Llama + AdamW, world {cfg.get('world')}, FSDP"
+    for ax, ylabel, title in ((ax_t, "seconds (max over ranks)", f"checkpoint time, {shape}"),
+                              (ax_m, "peak RSS - RSS before, MiB", "host memory added per rank")):  # fmt: skip
+        ax.set_xticks(list(xs), [r["format"] for r in rows])
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize="small")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize="x-small")
+    return fig
+
+
 PLOTS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "checkpoint": plot_checkpoint,
     "ulysses_attention": plot_ulysses,
     "attention": plot_attention,
     "throughput": plot_throughput,

@@ -24,7 +24,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import lightning_longctx  # registers "ulysses_fpdt", "ulysses" and "fpdt_offload"
-from lightning_longctx.data import RecallDataModule
+from lightning_longctx.recipes import RecallDataModule
 
 
 class LoRALM(L.LightningModule):

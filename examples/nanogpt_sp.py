@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import lightning_longctx
-from lightning_longctx.data import RecallAccuracy, RecallDataModule
+from lightning_longctx.recipes import RecallAccuracy, RecallDataModule
 from lightning_longctx.sharding import shift_labels
 
 

@@ -28,7 +28,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import lightning_longctx  # registers "ulysses_fpdt", "ulysses" and "fpdt_offload"
 from lightning_longctx.callbacks import MemoryMonitor, MFUMonitor
-from lightning_longctx.data import RecallDataModule, TextFilesDataModule
+from lightning_longctx.data import TextFilesDataModule
+from lightning_longctx.recipes import RecallDataModule
 
 
 class LitLM(L.LightningModule):

@@ -15,7 +15,6 @@ from lightning_longctx.integrations.transformers import (
     enable_sequence_parallel,
 )
 from lightning_longctx.loss import sequence_parallel_cross_entropy
-from lightning_longctx.models import CausalLM
 from lightning_longctx.planner import longest_sequence, plan_memory
 from lightning_longctx.sharding import gather_sequence, shard_batch, shard_sequence
 from lightning_longctx.strategy import UlyssesFPDTStrategy
@@ -29,7 +28,6 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0.0.0+unknown"
 
 __all__ = [
-    "CausalLM",
     "UlyssesFPDTStrategy",
     "__version__",
     "callbacks",

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_longctx.comm import (
     Group,
     all_gather_no_grad,
+    all_reduce_,
     all_reduce_no_grad,
     all_reduce_sum_identity_grad,
     group_rank_size,
@@ -170,7 +170,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_b.add_(g.sum(0))
                 del g, g_mm  # before the next chunk's block exists
         if need_h and cfg.vocab_parallel:
-            dist.all_reduce(grad_h, group=cfg.vocab_group)
+            all_reduce_(grad_h, cfg.vocab_group)  # in place: no second (s, hidden) buffer
         return (
             None if grad_h is None else grad_h.to(hidden.dtype),
             None if grad_w is None else grad_w.to(weight.dtype),

@@ -4,34 +4,55 @@
 
     lightning-longctx fit --config examples/configs/demo_cpu.yaml
     lightning-longctx validate --config my.yaml --ckpt_path last.ckpt
+    lightning-longctx fit --config my.yaml --ckpt_path auto   # the newest committed checkpoint, or fresh
     lightning-longctx slurm --nodes 4 --gpus-per-node 8 --config my.yaml -o train.sbatch
     lightning-longctx plan --config my.yaml --device-memory 80GiB
 
 Importing this module imports ``lightning_longctx``, which registers the strategy names
 (``--trainer.strategy=ulysses_fpdt`` / ``ulysses`` / ``fpdt_offload``). ``--model`` takes any
-LightningModule by ``class_path`` (default :class:`lightning_longctx.models.CausalLM`), ``--data``
-any LightningDataModule (e.g. ``lightning_longctx.data.RecallDataModule`` or
-``TextFilesDataModule``).
+LightningModule by ``class_path`` (default :class:`lightning_longctx.recipes.CausalLM`), ``--data``
+any LightningDataModule (e.g. ``lightning_longctx.recipes.RecallDataModule`` or
+``lightning_longctx.data.TextFilesDataModule``). The default is a class path string, so this module
+imports no recipe; jsonargparse imports the class when it parses the config.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 import lightning_longctx  # noqa: F401  (registers the strategy names before the Trainer parses them)
 from lightning_longctx import plan_cli, slurm
 from lightning_longctx.callbacks.progress import step_aware_progress_bar
+from lightning_longctx.checkpoint import commit_info, latest_checkpoint
 
 __all__ = ["LongCtxCLI", "main"]
 
-DEFAULT_MODEL = "lightning_longctx.models.CausalLM"
+DEFAULT_MODEL = "lightning_longctx.recipes.CausalLM"
+#: ``--ckpt_path auto``: the newest committed checkpoint of the run, or a fresh start when there is none
+AUTO = "auto"
+
+
+def auto_checkpoint(trainer: L.Trainer) -> Path | None:
+    """The checkpoint ``--ckpt_path auto`` resumes from: the newest committed one (by global step) under the
+    trainer's ``default_root_dir`` and every ``ModelCheckpoint``'s folder, or None. Every rank resolves it
+    alike from the shared file system (nothing is being written before the run starts)."""
+    roots = [Path(trainer.default_root_dir)]
+    roots += [
+        Path(c.dirpath) for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath
+    ]
+    found = [path for path in map(latest_checkpoint, dict.fromkeys(roots)) if path is not None]
+    if not found:
+        return None
+    return max(found, key=lambda path: int((commit_info(path) or {}).get("global_step", -1)))
 
 
 class LongCtxCLI(LightningCLI):
@@ -51,6 +72,31 @@ class LongCtxCLI(LightningCLI):
         ):
             kwargs["callbacks"] = [*callbacks, step_aware_progress_bar()]
         return super().instantiate_trainer(**kwargs)
+
+    def _resolve_auto_checkpoint(self, subcommand: str) -> None:
+        config = self.config_init[subcommand]
+        if config.get("ckpt_path") != AUTO:
+            return
+        path = auto_checkpoint(self.trainer)
+        if path is None:
+            rank_zero_info(
+                f"--ckpt_path auto: no committed checkpoint under {self.trainer.default_root_dir}; starting fresh"
+            )
+        else:
+            rank_zero_info(f"--ckpt_path auto: resuming from {path}")
+        config["ckpt_path"] = None if path is None else str(path)
+
+    def before_fit(self) -> None:
+        self._resolve_auto_checkpoint("fit")
+
+    def before_validate(self) -> None:
+        self._resolve_auto_checkpoint("validate")
+
+    def before_test(self) -> None:
+        self._resolve_auto_checkpoint("test")
+
+    def before_predict(self) -> None:
+        self._resolve_auto_checkpoint("predict")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

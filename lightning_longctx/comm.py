@@ -14,6 +14,15 @@ Layouts: ``bshd`` = (batch, seq, heads, head_dim). ``P`` = size of the sequence-
 * ``exclusive_affine_scan(M, B, apply)``: the entry state of every segment of a recurrence that is affine
   in its state, ``S_out = M S_in + B``, from one all-gather of the per-segment summaries; its backward is
   one all-gather of the entry-state gradients (hybrid mixers: gated DeltaNet, Mamba, ...).
+* the reductions of the loss and of tensor parallelism: ``all_reduce_sum_identity_grad`` (a loss all ranks
+  hold), ``all_reduce_no_grad`` / ``all_reduce_`` (a copy / in place, e.g. the vocabulary-parallel hidden
+  gradient), ``all_gather_no_grad``, ``all_gather_object``.
+
+Every autograd Function whose forward runs a sequence-parallel collective derives from
+:class:`SequenceParallelFunction` (FPDT's attention too); :func:`reaches_sequence_parallel` finds one in a
+loss's graph (the strategy's first-step guard for plain models). :func:`count_all_to_all` is a meter for
+tests and benchmarks: the list of open blocks is this module's one piece of module-level state, and nothing
+in the package reads it.
 
 Heads are split in contiguous blocks, rank r owning ``head_split(h, P)[r]`` heads; when ``h % P != 0``
 the first ``h % P`` ranks own one head more (``all_to_all_single`` with uneven split sizes).
@@ -45,6 +54,34 @@ def head_split(num_heads: int, world: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(world)]
 
 
+class SequenceParallelFunction(torch.autograd.Function):
+    """Base of the autograd Functions whose forward runs a sequence-parallel collective (the all-to-alls, the
+    hybrid mixers' state exchanges, FPDT's attention): :func:`reaches_sequence_parallel` recognises their
+    nodes in an autograd graph. Subclasses define ``forward`` and ``backward`` as any Function."""
+
+
+def reaches_sequence_parallel(tensor: Any) -> bool | None:
+    """Whether ``tensor``'s autograd graph contains a :class:`SequenceParallelFunction` node, i.e. whether
+    it depends on tokens of other ranks through our attention or mixers. ``None`` when the graph cannot
+    tell: no graph (not a tensor, no ``grad_fn``: manual optimisation returns no loss) or a reentrant
+    activation checkpoint, whose forward ran without recording its inner nodes. Walks the graph once."""
+    node = getattr(tensor, "grad_fn", None)
+    if node is None:
+        return None
+    seen, stack, hidden = {node}, [node], False
+    while stack:
+        node = stack.pop()
+        cls = getattr(node, "_forward_cls", None)
+        if isinstance(cls, type) and issubclass(cls, SequenceParallelFunction):
+            return True
+        hidden = hidden or type(node).__name__ == "CheckpointFunctionBackward"
+        for parent, _ in node.next_functions:
+            if parent is not None and parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return None if hidden else False
+
+
 @dataclass
 class AllToAllCount:
     """All-to-alls run while a :func:`count_all_to_all` block was open, and the bytes this process sent
@@ -57,7 +94,8 @@ class AllToAllCount:
     exchange_bytes: int = 0
 
 
-#: Counters of the open :func:`count_all_to_all` blocks; empty (nothing counted) unless one is open.
+#: Counters of the open :func:`count_all_to_all` blocks; empty (nothing counted) unless one is open. A meter
+#: for tests and benchmarks only: no code of the package reads it.
 _OPEN_COUNTS: list[AllToAllCount] = []
 
 
@@ -65,7 +103,7 @@ _OPEN_COUNTS: list[AllToAllCount] = []
 def count_all_to_all() -> Iterator[AllToAllCount]:
     """Count the all-to-alls this process runs inside the block (blocks may nest; each counts its own).
 
-    Costs nothing outside such a block. The strategy's first-step guardrail and the benchmarks use it::
+    Costs nothing outside such a block. Tests and benchmarks use it::
 
         with count_all_to_all() as count:
             loss.backward()
@@ -255,7 +293,7 @@ def _head_to_seq_packed(
     return PendingAllToAll(work, finish, send, recv) if async_op else finish()
 
 
-class _SeqToHead(torch.autograd.Function):
+class _SeqToHead(SequenceParallelFunction):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group, ctx.num_heads = group, x.shape[2]
@@ -266,7 +304,7 @@ class _SeqToHead(torch.autograd.Function):
         return _head_to_seq(grad, ctx.num_heads, ctx.group), None
 
 
-class _HeadToSeq(torch.autograd.Function):
+class _HeadToSeq(SequenceParallelFunction):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, num_heads: int, group: Group) -> torch.Tensor:
         ctx.group = group
@@ -277,7 +315,7 @@ class _HeadToSeq(torch.autograd.Function):
         return _seq_to_head(grad, ctx.group), None, None
 
 
-class _SeqToHeadPacked(torch.autograd.Function):
+class _SeqToHeadPacked(SequenceParallelFunction):
     @staticmethod
     def forward(ctx: Any, group: Group, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group, ctx.num_heads = group, [x.shape[2] for x in xs]
@@ -402,15 +440,25 @@ def all_reduce_sum_identity_grad(x: torch.Tensor, group: Group = None) -> torch.
     return _AllReduceSumIdentityGrad.apply(x, group)
 
 
+def _reduce_op(op: str) -> Any:
+    if op not in ("sum", "max", "min"):
+        raise ValueError(f"op={op!r} is not a reduction of this package; use 'sum', 'max' or 'min'")
+    return getattr(dist.ReduceOp, op.upper())
+
+
 def all_reduce_no_grad(x: torch.Tensor, group: Group = None, op: str = "sum") -> torch.Tensor:
     """A reduced copy of ``x`` (no autograd); ``op`` in {"sum", "max", "min"}."""
     x = x.detach().clone()
     if group_rank_size(group)[1] > 1:
-        dist.all_reduce(
-            x,
-            op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op],
-            group=group,
-        )
+        dist.all_reduce(x, op=_reduce_op(op), group=group)
+    return x
+
+
+def all_reduce_(x: torch.Tensor, group: Group = None, op: str = "sum") -> torch.Tensor:
+    """Reduce ``x`` over ``group`` in place (no autograd; for a gradient inside a hand-written backward,
+    where a copy would cost a second buffer of its size); returns ``x``. ``op`` in {"sum", "max", "min"}."""
+    if group_rank_size(group)[1] > 1:
+        dist.all_reduce(x, op=_reduce_op(op), group=group)
     return x
 
 
@@ -422,6 +470,18 @@ def all_gather_no_grad(x: torch.Tensor, group: Group = None, dim: int = 0) -> to
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
+
+
+def barrier(group: Group = None) -> None:
+    """Wait until every rank of ``group`` got here (nothing to wait for without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def new_gloo_group() -> Any:
+    """A new gloo group over the world (a collective: every rank calls it, in the same order), for host-side
+    work that must not queue behind the training collectives (background checkpoint writes)."""
+    return dist.new_group(backend="gloo")
 
 
 def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
@@ -467,7 +527,7 @@ def _ring_shift(x: torch.Tensor, group: Group, forward: bool) -> torch.Tensor:
     return out
 
 
-class _HaloExchange(torch.autograd.Function):
+class _HaloExchange(SequenceParallelFunction):
     @staticmethod
     def forward(ctx: Any, tails: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
@@ -521,7 +581,7 @@ def _gather_segments(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _global_order(torch.stack(parts), world)
 
 
-class _ExclusiveAffineScan(torch.autograd.Function):
+class _ExclusiveAffineScan(SequenceParallelFunction):
     @staticmethod
     def forward(
         ctx: Any, M: torch.Tensor, B: torch.Tensor, apply: Callable[..., torch.Tensor], group: Group

@@ -12,13 +12,30 @@ is built once and passed down. A new setting is a field here and a read in its o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Literal
 
 from lightning_longctx.mesh import ParallelLayout
 from lightning_longctx.sharding import IGNORE_INDEX, chunk_for
 
-#: The sequence-parallel attention modes.
-MODES = ("ulysses", "fpdt")
+
+class Mode(str, Enum):
+    """The sequence-parallel attention mode, derived from the settings (``fpdt_chunk_size``).
+
+    A ``str`` enum: ``Mode.FPDT == "fpdt"`` and ``str(Mode.FPDT) == "fpdt"``, so user code, YAML and logs that
+    compare or print the strings keep working; inside the package compare with the members."""
+
+    #: Ulysses: one all-to-all each way per attention call, the whole local shard at once.
+    ULYSSES = "ulysses"
+    #: FPDT: the sequence in chunks (all-to-all, attention, offload per chunk), MLPs and loss tiled too.
+    FPDT = "fpdt"
+
+    __str__ = str.__str__  # the value, as the strings it replaces ("fpdt", not "Mode.FPDT")
+    __format__ = str.__format__
+
+
+#: The sequence-parallel attention modes, as strings (the values of :class:`Mode`).
+MODES = tuple(mode.value for mode in Mode)
 #: Tokens per chunk per rank of the "ulysses_fpdt" preset.
 DEFAULT_FPDT_CHUNK_SIZE = 4096
 #: Lightning precisions the strategy and the planner accept.
@@ -42,7 +59,7 @@ class SequenceParallelConfig:
         attention_backend: local kernel, ``"auto" | "flash" | "sdpa" | "math"``.
         data_parallel: ``"ddp"`` (replicated parameters, DDP all-reduce over dp x sp) or ``"fsdp"``
             (FSDP2 ``fully_shard`` of every transformer block and of each HF model over all dp x sp
-            ranks; checkpoints hold full, unsharded state dicts).
+            ranks).
         tensor_parallel_size: ranks that split every layer's weights (the model's Hugging Face TP plan,
             ``config.base_model_tp_plan``: q/k/v and gate/up column-wise, o/down row-wise), innermost in the
             mesh; Ulysses / FPDT then act on each rank's heads. Needs ``data_parallel="fsdp"`` (FSDP2 over
@@ -66,6 +83,13 @@ class SequenceParallelConfig:
             those of one device on the whole global batch, the sum of token losses over all dp ranks and
             micro-batches of the accumulation window divided by its valid-token count;
             ``"micro_batch"``: Lightning's mean of per-micro-batch means (exact within an SP group).
+        checkpoint_format: ``"sharded"`` (default): a ``torch.distributed.checkpoint`` directory in which every
+            rank writes its own shards (no rank holds the full state); it resumes at any layout (dp, sp, tp,
+            world size, offload, DDP or FSDP). ``"full"``: one file, gathered on rank 0 (loads anywhere with
+            ``torch.load``; at 8B parameters with AdamW that is ~96 GB on one host).
+        async_save: write sharded checkpoints in the background (on a gloo group of their own): training
+            goes on after the state is copied to host memory; the next save, a preemption and the end of the
+            run wait for it.
     """
 
     sequence_parallel_size: int | Literal["auto"] = "auto"
@@ -83,6 +107,8 @@ class SequenceParallelConfig:
     pad_token_id: int = 0
     ignore_index: int = IGNORE_INDEX
     loss_normalization: Literal["tokens", "micro_batch"] = "tokens"
+    checkpoint_format: Literal["sharded", "full"] = "sharded"
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         sp = self.sequence_parallel_size
@@ -111,6 +137,17 @@ class SequenceParallelConfig:
                 f"loss_normalization={self.loss_normalization!r} is unknown; use 'tokens' (the token mean over the "
                 "global batch, as one device) or 'micro_batch' (Lightning's mean of per-micro-batch means)"
             )
+        if self.checkpoint_format not in ("sharded", "full"):
+            raise ValueError(
+                f"checkpoint_format={self.checkpoint_format!r} is unknown; use 'sharded' (every rank writes its "
+                "shards; resumes at any layout) or 'full' (one file gathered on rank 0)"
+            )
+        if not isinstance(self.async_save, bool):
+            raise ValueError(f"async_save={self.async_save!r}: use True or False")
+        if self.async_save and self.checkpoint_format != "sharded":
+            raise ValueError(
+                "async_save=True writes sharded checkpoints only; set checkpoint_format='sharded' (the default)"
+            )
         if self.data_parallel not in ("ddp", "fsdp"):
             raise ValueError(
                 f"data_parallel={self.data_parallel!r} is unknown; use 'ddp' (replicated parameters) or 'fsdp' "
@@ -128,8 +165,8 @@ class SequenceParallelConfig:
             )
 
     @property
-    def mode(self) -> str:
-        return "ulysses" if self.fpdt_chunk_size is None else "fpdt"
+    def mode(self) -> Mode:
+        return Mode.ULYSSES if self.fpdt_chunk_size is None else Mode.FPDT
 
     def resolve(self, world_size: int, devices_per_node: int, device_type: str) -> ResolvedConfig:
         """What these settings mean on ``world_size`` ranks with ``devices_per_node`` devices per node (0:
@@ -167,7 +204,7 @@ class ResolvedConfig:
     activation_checkpointing: bool
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> Mode:
         return self.settings.mode
 
     @property

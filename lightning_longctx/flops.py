@@ -10,7 +10,8 @@ FLOPs per token (one multiply-add = 2 FLOPs; forward = 1 pass, training = forwar
 (exact for GQA/MQA), o ``H·hd×d``, the MLP (3 matrices ``d×I`` when gated as in Llama/Qwen/Mistral/
 Gemma/Phi-3, else 2), and the LM head ``d×V`` (a matmul even when tied to the embedding). The
 embedding lookup is a gather, not a matmul, and is excluded. For ``H·hd = d`` training gives the
-familiar ``6·N + 12·L·d·K``.
+familiar ``6·N + 12·L·d·K``. The dims and ``N_matmul`` come from :mod:`lightning_longctx.planner.shapes`,
+which the memory planner reads too.
 
 ``K(S)`` is the number of keys a query attends to. Non-causal: ``K = S``. Causal (the default):
 ``K = S/2``. Why halve: flash-style kernels (flash-attn, cuDNN, FPDT's chunk loop) skip the
@@ -36,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_longctx.planner.shapes import decoder_dims, has_gated_mlp, matmul_params_of, text_config
+
 __all__ = [
     "PEAK_FLOPS",
     "attention_flops_per_token",
@@ -48,72 +51,15 @@ __all__ = [
     "precision_to_dtype",
 ]
 
-# Model types with a plain two-matrix MLP (up, down); every other decoder config is taken as gated.
-_NON_GATED_MODEL_TYPES = frozenset(
-    {"phi", "starcoder2", "gpt_neox", "gpt2", "gpt_bigcode", "gptj", "falcon", "opt", "bloom", "codegen"}
-)
-
-
-def _text_config(config: Any) -> Any:
-    get_text_config = getattr(config, "get_text_config", None)
-    return get_text_config() if callable(get_text_config) else config
-
-
-def _get(config: Any, name: str, default: Any = None) -> Any:
-    value = getattr(config, name, None)
-    return default if value is None else value
-
-
-def _dims(config: Any) -> tuple[int, int, int, int, int, int, int]:
-    """(d, L, H, H_kv, hd, I, V) of a decoder config; a clear error when a field is missing."""
-    missing = [
-        name
-        for name in (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "vocab_size",
-        )
-        if getattr(config, name, None) is None
-    ]
-    if missing:
-        raise ValueError(
-            f"{type(config).__name__} lacks {missing}: flops_per_token() reads Hugging Face decoder configs "
-            "(Llama, Qwen, Mistral, Gemma, Phi-3, ...). Pass `flops_per_token=` to MFUMonitor for other models."
-        )
-    if _get(config, "num_experts_per_tok") is not None or _get(config, "num_local_experts") is not None:
-        raise ValueError(
-            f"{type(config).__name__} is a mixture-of-experts config; its active FLOPs are not modelled here. "
-            "Pass `flops_per_token=` to MFUMonitor."
-        )
-    d = int(config.hidden_size)
-    heads = int(config.num_attention_heads)
-    kv_heads = int(_get(config, "num_key_value_heads", heads))
-    head_dim = int(_get(config, "head_dim", d // heads))
-    return (
-        d,
-        int(config.num_hidden_layers),
-        heads,
-        kv_heads,
-        head_dim,
-        int(config.intermediate_size),
-        int(config.vocab_size),
-    )
-
 
 def matmul_params(config: Any, *, gated_mlp: bool | None = None) -> int:
     """Weights of the matmuls one token goes through (all layers + LM head; no embedding lookup).
 
     ``gated_mlp=None`` infers it from ``config.model_type`` (gated unless a known 2-matrix MLP).
     """
-    config = _text_config(config)
-    d, layers, heads, kv_heads, head_dim, inter, vocab = _dims(config)
-    if gated_mlp is None:
-        gated_mlp = getattr(config, "model_type", None) not in _NON_GATED_MODEL_TYPES
-    attn = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2  # q, o + k, v
-    mlp = (3 if gated_mlp else 2) * d * inter
-    return layers * (attn + mlp) + d * vocab
+    config = text_config(config)
+    gated = has_gated_mlp(config) if gated_mlp is None else gated_mlp
+    return matmul_params_of(decoder_dims(config), gated)
 
 
 def _keys_per_query(seq_len: int, window: int | None, causal: bool) -> float:
@@ -123,10 +69,10 @@ def _keys_per_query(seq_len: int, window: int | None, causal: bool) -> float:
     return w * (1.0 - w / (2.0 * seq_len))
 
 
-def _layer_windows(config: Any) -> list[int | None]:
-    """Sliding window per layer (None = full attention), from ``layer_types`` or ``sliding_window``."""
-    layers = int(config.num_hidden_layers)
-    window = _get(config, "sliding_window")
+def _layer_windows(config: Any, layers: int) -> list[int | None]:
+    """Sliding window of each of ``layers`` layers (None = full attention), from ``layer_types`` or
+    ``sliding_window``."""
+    window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return [window if kind == "sliding_attention" else None for kind in layer_types]
@@ -139,10 +85,10 @@ def attention_flops_per_token(
     config: Any, seq_len: int, *, causal: bool = True, training: bool = True
 ) -> float:
     """Score (QKᵀ) and value (PV) FLOPs per token over all layers, for rows of ``seq_len`` tokens."""
-    config = _text_config(config)
-    _, _, heads, _, head_dim, _, _ = _dims(config)
-    keys = sum(_keys_per_query(seq_len, w, causal) for w in _layer_windows(config))
-    return (3.0 if training else 1.0) * 4.0 * heads * head_dim * keys
+    config = text_config(config)
+    dims = decoder_dims(config)
+    keys = sum(_keys_per_query(seq_len, w, causal) for w in _layer_windows(config, dims.layers))
+    return (3.0 if training else 1.0) * 4.0 * dims.heads * dims.head_dim * keys
 
 
 def flops_per_token(
@@ -170,12 +116,12 @@ def find_hf_config(obj: Any) -> Any | None:
     if hasattr(obj, "num_hidden_layers") and hasattr(obj, "hidden_size"):
         return obj
     config = getattr(obj, "config", None)
-    if config is not None and hasattr(_text_config(config), "num_hidden_layers"):
+    if config is not None and hasattr(text_config(config), "num_hidden_layers"):
         return config
     if isinstance(obj, nn.Module):
         for module in obj.modules():
             config = getattr(module, "config", None)
-            if config is not None and hasattr(_text_config(config), "num_hidden_layers"):
+            if config is not None and hasattr(text_config(config), "num_hidden_layers"):
                 return config
     return None
 

@@ -1,12 +1,12 @@
-"""``data_parallel="fsdp"``: FSDP2 ``fully_shard`` over all dp x sp ranks, with full-state-dict checkpoints.
+"""``data_parallel="fsdp"``: FSDP2 ``fully_shard`` over all dp x sp ranks (the world mesh's ``replicas``).
 
-The strategy delegates here when FSDP is chosen and keeps DDP's own code path otherwise, so each
-path reads straight through. Why the world mesh: FSDP2's reduce-scatter averages gradients over every
+:func:`~lightning_longctx.parallelize.parallelize` shards with it (its last step); the DDP path is
+``ddp.py``, so each path reads straight through. Why all dp x sp ranks: FSDP2's reduce-scatter averages gradients over every
 rank it shards across; with the loss scaled by ``sp`` (the strategy's ``backward``) the average over
 dp x sp ranks is "sum over sp, mean over dp", exactly as DDP's all-reduce over the world.
 
-Checkpoints hold full, unsharded state dicts (gathered on every rank, kept on the CPU), so they load
-into the plain Hugging Face model; optimizer state is saved and restored the same way.
+Checkpoints are ``checkpoint.py``'s: each rank writes its own shards (torch.distributed.checkpoint), or
+with ``checkpoint_format="full"`` one file gathered on rank 0.
 
 ``cpu_offload``: FSDP2's ``CPUOffloadPolicy`` on every ``fully_shard``. The sharded (fp32) parameters, their
 gradients and hence the optimizer states live in host memory (pinned on CUDA); a block's parameters are
@@ -21,10 +21,13 @@ in the low dtype; gradients are reduced in fp32 and the optimizer steps on fp32 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from lightning_longctx.mesh import WorldMesh
 
 #: Lightning's mixed precisions -> the dtype FSDP2 computes in (the sharded master weights stay fp32).
 MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -62,27 +65,35 @@ def move_all_but_models(module: nn.Module, device: torch.device) -> None:
 
 
 class FSDP2Sharding:
-    """Shards the transformers models of a LightningModule with ``fully_shard`` over one 1-D mesh.
+    """Shards the transformers models of a LightningModule with ``fully_shard`` over the world mesh's
+    ``replicas`` (:class:`~lightning_longctx.mesh.WorldMesh`: the flattened dp x sp axis, which shares its
+    root with the TP mesh, so FSDP2 composes with TP's DTensors).
 
     ``cpu_offload``: parameters, gradients and optimizer states in host memory (pinned when the mesh is on
     CUDA)."""
 
-    def __init__(self, device_type: str, world_size: int, *, cpu_offload: bool = False, tp: int = 1) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-
+    def __init__(self, mesh: WorldMesh, *, cpu_offload: bool = False) -> None:
         fsdp = _fsdp2()
-        #: with tensor parallelism one (dp x sp, tp) mesh: FSDP shards over its first axis, TP splits over its
-        #: second (FSDP2 composes with TP's DTensors on a common root mesh); tp innermost, as the strategy's mesh
-        self.tp_mesh: Any = None
-        if tp > 1:
-            root = init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp_sp", "tp"))
-            self.mesh, self.tp_mesh = root["dp_sp"], root["tp"]
-        else:
-            self.mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp_sp",))
+        self.mesh = mesh.replicas
+        self.cpu_offload = cpu_offload
+        device_type = self.mesh.device_type
         # pinned host memory needs CUDA; on the CPU the same FSDP2 offload path runs unpinned
         self.offload_policy = (
             fsdp.CPUOffloadPolicy(pin_memory=device_type == "cuda") if cpu_offload else fsdp.OffloadPolicy()
         )
+
+    def model_to_device(self, module: nn.Module, device: torch.device) -> None:
+        """Move ``module`` to ``device`` before sharding; under ``cpu_offload`` its transformers models stay on
+        the host (``fully_shard`` moves one block at a time to the device and keeps only its shard, on the host
+        again), so no rank ever holds the whole model on the device."""
+        if self.cpu_offload:
+            move_all_but_models(module, device)
+        else:
+            module.to(device)
+
+    def wrap(self, module: nn.Module, device_ids: list[int] | None = None) -> nn.Module:
+        """``module`` as it is: :meth:`shard` (in ``parallelize``) sharded it in place; no wrapper, unlike DDP."""
+        return module
 
     def shard(self, model: nn.Module, *, param_dtype: torch.dtype | None = None) -> nn.Module:
         """``fully_shard`` every transformer block (the model's ``_no_split_modules``) and each outermost
@@ -98,6 +109,7 @@ class FSDP2Sharding:
                 f"({stray[:3] or 'no transformers model found'}) are not handled. Use data_parallel='ddp'"
             )
         fsdp = _fsdp2()
+        sharded = (fsdp.FSDPModule,) if hasattr(fsdp, "FSDPModule") else ()
         mp_policy = (
             fsdp.MixedPrecisionPolicy()
             if param_dtype is None
@@ -109,42 +121,8 @@ class FSDP2Sharding:
             # innermost first: FSDP2 needs a nested unit sharded before the one around it (Mamba lists both
             # its block and its mixer in _no_split_modules; outer first left the mixer's weights sharded)
             for module in reversed(list(root.modules())):
-                if type(module).__name__ in block_names:
+                if type(module).__name__ in block_names and not isinstance(module, sharded):
                     fsdp.fully_shard(module, **kwargs)
-            fsdp.fully_shard(root, **kwargs)
+            if not isinstance(root, sharded):  # a model sharded by an earlier fit stays as it is
+                fsdp.fully_shard(root, **kwargs)
         return model
-
-    @staticmethod
-    def _options(**kw: Any) -> Any:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        return StateDictOptions(full_state_dict=True, cpu_offload=True, **kw)
-
-    def model_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        """The full state dict (a collective: every rank calls it)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(module, options=self._options())
-
-    def load_model_state_dict(self, module: nn.Module, state: dict[str, Any], strict: bool) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        set_model_state_dict(module, state, options=self._options(strict=strict))
-
-    def optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return get_optimizer_state_dict(module, optimizer, options=self._options())
-
-    def load_optimizer_state(
-        self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        if not state.get("state"):
-            # stateless optimizer (plain SGD, or no step yet): torch's loader needs a state tensor to
-            # find the device, so restore the hyper-parameters only.
-            for group, saved in zip(optimizer.param_groups, state["param_groups"]):
-                group.update({k: v for k, v in saved.items() if k != "params"})
-            return
-        set_optimizer_state_dict(module, optimizer, state, options=self._options())

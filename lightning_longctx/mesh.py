@@ -1,4 +1,11 @@
-"""The data-parallel x sequence-parallel x tensor-parallel layout of the world, and its process groups."""
+"""The data-parallel x sequence-parallel x tensor-parallel layout of the world, and its ONE device mesh.
+
+Every process group the package uses comes from :func:`build_world_mesh`: the sequence-parallel group (the
+all-to-alls), the data-parallel group (the token-mean window's totals), the tensor-parallel mesh (TP's
+DTensors) and the replica mesh, the flattened ``data_parallel x sequence_parallel`` view that FSDP2 shards
+over and DDP reduces over. One mesh family: FSDP2 composes with TP only when both meshes share a root, and
+no communicator is built twice.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,10 @@ from typing import Any
 #: the mesh's axes, outermost first: tensor parallelism innermost (NVLink), sequence parallelism next to it,
 #: as torchtitan, Megatron and Accelerate order theirs
 MESH_AXES = ("data_parallel", "sequence_parallel", "tensor_parallel")
+DP_AXIS, SP_AXIS, TP_AXIS = MESH_AXES
+#: the flattened ``data_parallel x sequence_parallel`` axis: the ranks holding one copy of the non-TP state,
+#: over which FSDP2 shards and DDP averages (the name of the first axis of an FSDP2 + TP DTensor's mesh)
+REPLICA_AXIS = "dp_sp"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,9 +72,80 @@ class ParallelLayout:
         return f"world {self.world_size} = data_parallel {self.dp} x sequence_parallel {self.sp}{tp}"
 
 
-def build_device_mesh(layout: ParallelLayout, device_type: str) -> Any:
-    """A 3-D ``DeviceMesh`` with axes :data:`MESH_AXES` (``tensor_parallel`` of size 1 without TP); every rank
-    must call it."""
+@dataclass(frozen=True, kw_only=True)
+class WorldMesh:
+    """The world's one device mesh and the views of it that everything uses (:func:`build_world_mesh`).
+
+    ``root``: the mesh itself, 3-D with axes :data:`MESH_AXES` (or, without ``DeviceMesh._flatten``, 2-D
+    ``(dp_sp, tensor_parallel)``); ``replicas``: 1-D over the ``dp * sp`` ranks of one TP index (FSDP2's
+    mesh, DDP's group); ``tp``: 1-D over the ``tp`` consecutive ranks (TP's DTensors); ``sp_group`` /
+    ``dp_group``: the process groups of the sequence-parallel and data-parallel axes. ``flattened``: whether
+    ``replicas`` is a flattened view of the 3-D root (else the fallback root; see :func:`build_world_mesh`)."""
+
+    layout: ParallelLayout
+    root: Any
+    replicas: Any
+    tp: Any
+    sp_group: Any
+    dp_group: Any
+    flattened: bool
+
+    @property
+    def tp_group(self) -> Any:
+        return self.tp.get_group()
+
+    @property
+    def replica_group(self) -> Any:
+        return self.replicas.get_group()
+
+
+def can_flatten(mesh: Any) -> bool:
+    """Whether this torch's ``DeviceMesh`` has the (private) ``_flatten`` that makes a 1-D view of several
+    adjacent axes sharing the root (torch >= 2.5; torchtitan flattens the same way)."""
+    return callable(getattr(mesh, "_flatten", None))
+
+
+def build_world_mesh(layout: ParallelLayout, device_type: str, *, flatten: bool | None = None) -> WorldMesh:
+    """The world's one mesh (every rank must call it, with the same arguments). ``flatten=None``: probe.
+
+    The one use of a private API of ``DeviceMesh`` is here: with ``_flatten`` (:func:`can_flatten`), the root
+    is 3-D ``(data_parallel, sequence_parallel, tensor_parallel)`` and ``replicas`` its flattened
+    ``("data_parallel", "sequence_parallel")`` view named :data:`REPLICA_AXIS`. Without it (``flatten=False``,
+    or a torch that lacks it), the root is 2-D ``(dp_sp, tensor_parallel)`` with the same rank order, and the
+    dp and sp groups are regrouped from its ranks (``new_subgroups_by_enumeration``): the FSDP2 and TP meshes
+    still share one root, and every group is the one the 3-D mesh would give."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (layout.dp, layout.sp, layout.tp), mesh_dim_names=MESH_AXES)
+    if flatten is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        flatten = can_flatten(DeviceMesh)
+    if flatten:
+        root = init_device_mesh(device_type, (layout.dp, layout.sp, layout.tp), mesh_dim_names=MESH_AXES)
+        return WorldMesh(
+            layout=layout,
+            root=root,
+            replicas=root[DP_AXIS, SP_AXIS]._flatten(REPLICA_AXIS),
+            tp=root[TP_AXIS],
+            sp_group=root[SP_AXIS].get_group(),
+            dp_group=root[DP_AXIS].get_group(),
+            flattened=True,
+        )
+    import torch.distributed as dist
+
+    root = init_device_mesh(device_type, (layout.replicas, layout.tp), mesh_dim_names=(REPLICA_AXIS, TP_AXIS))
+    ranks = root.mesh.reshape(layout.dp, layout.sp, layout.tp)  # global ranks at (dp, sp, tp) coordinates
+    # every rank creates every group, in the same order (new_group is a collective over the world)
+    sp_groups = [ranks[d, :, t].tolist() for d in range(layout.dp) for t in range(layout.tp)]
+    dp_groups = [ranks[:, s, t].tolist() for s in range(layout.sp) for t in range(layout.tp)]
+    sp_group, _ = dist.new_subgroups_by_enumeration(sp_groups)
+    dp_group, _ = dist.new_subgroups_by_enumeration(dp_groups)
+    return WorldMesh(
+        layout=layout,
+        root=root,
+        replicas=root[REPLICA_AXIS],
+        tp=root[TP_AXIS],
+        sp_group=sp_group,
+        dp_group=dp_group,
+        flattened=False,
+    )

@@ -6,7 +6,11 @@ Usage (the console script routes ``lightning-longctx slurm ...`` here)::
         -- --trainer.max_steps=1000
     sbatch train.sbatch
 
-Arguments after ``--`` are appended to the ``fit`` command line.
+Arguments after ``--`` are appended to the ``fit`` command line. The script passes ``--ckpt_path auto``: a
+requeued (or resubmitted) job resumes from the run's newest committed checkpoint, and a first run starts fresh.
+SLURM sends SIGUSR1 ``--signal-lead`` seconds before the time limit; every rank then saves at the next optimizer
+step and rank 0 requeues the job (lightning_longctx/preemption.py). The lead time must cover the rest of one
+optimizer step plus one checkpoint save.
 """
 
 from __future__ import annotations
@@ -24,6 +28,25 @@ __all__ = ["main", "write_sbatch"]
 _TIME_RE = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 # Lightning's SLURMEnvironment treats these job names as an interactive session and ignores SLURM.
 _INTERACTIVE_JOB_NAMES = ("bash", "interactive")
+#: seconds between SLURM's SIGUSR1 and the time limit: one optimizer step (a 1M-token step takes minutes) plus
+#: one save of the sharded state, with room to spare
+DEFAULT_SIGNAL_LEAD_S = 600
+#: sbatch's ``--signal=<sig>@<time>`` takes at most 65535 s
+_MAX_SIGNAL_LEAD_S = 65535
+
+
+def time_limit_seconds(time: str) -> int:
+    """An sbatch ``--time`` value in seconds: ``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``."""
+    days, _, rest = time.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        hours, minutes, seconds = [*parts, 0, 0][:3]
+        return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+    if len(parts) == 1:
+        return parts[0] * 60
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]
+    return (parts[0] * 60 + parts[1]) * 60 + parts[2]
 
 
 def _check_word(name: str, value: str) -> None:
@@ -45,6 +68,7 @@ def write_sbatch(
     extra_args: Sequence[str] = (),
     log_file: str = "%x-%j.out",
     cpus_per_task: int | None = None,
+    signal_lead: int = DEFAULT_SIGNAL_LEAD_S,
 ) -> str:
     """The text of an sbatch script for ``nodes`` x ``gpus_per_node`` ranks.
 
@@ -60,6 +84,10 @@ def write_sbatch(
         extra_args: appended to the ``fit`` command line, e.g. ``["--trainer.max_steps=100"]``.
         log_file: ``#SBATCH --output`` pattern for the job's log (``%x`` job name, ``%j`` job id).
         cpus_per_task: optional ``#SBATCH --cpus-per-task`` (dataloader workers per rank).
+        signal_lead: seconds between SIGUSR1 and the time limit (``#SBATCH --signal=SIGUSR1@<lead>``). Rule:
+            at least one optimizer step plus one checkpoint save (measure both; a 1M-token step takes minutes).
+            Every rank saves at the next step boundary after the signal, so a shorter lead time loses the job's
+            work since its last checkpoint.
 
     Returns:
         The script text.
@@ -89,6 +117,21 @@ def write_sbatch(
             "its SLURM setup; choose another name, e.g. 'longctx'."
         )
     _check_word("log_file", log_file)
+    if (
+        isinstance(signal_lead, bool)
+        or not isinstance(signal_lead, int)
+        or not 1 <= signal_lead <= _MAX_SIGNAL_LEAD_S
+    ):
+        raise ValueError(
+            f"signal_lead={signal_lead!r} must be whole seconds in 1..{_MAX_SIGNAL_LEAD_S} (sbatch's --signal "
+            f"limit); use one optimizer step plus one checkpoint save, e.g. {DEFAULT_SIGNAL_LEAD_S}."
+        )
+    if signal_lead >= time_limit_seconds(time):
+        raise ValueError(
+            f"signal_lead={signal_lead} s is not shorter than the time limit {time!r} "
+            f"({time_limit_seconds(time)} s): SIGUSR1 would come before any training. Lengthen --time or "
+            "shorten --signal-lead (it needs one optimizer step plus one checkpoint save)."
+        )
     for name, value in (("partition", partition), ("account", account)):
         if value is not None:
             _check_word(name, value)
@@ -110,10 +153,11 @@ def write_sbatch(
         ]
     lines += [
         f"#SBATCH --time={time}",
-        "# SIGUSR1 90 s before the time limit, sent to the srun tasks (no 'B:' prefix, which would",
-        "# signal only this batch shell): Lightning's handler saves a checkpoint and requeues the job.",
-        "#SBATCH --signal=SIGUSR1@90",
-        "# Allow the job to be requeued (by that handler, or after a node failure).",
+        f"# SIGUSR1 {signal_lead} s before the time limit, sent to the srun tasks (no 'B:' prefix, which",
+        "# would signal only this batch shell). Every rank saves at the next optimizer step, rank 0",
+        "# requeues the job. The lead time must cover one optimizer step plus one checkpoint save.",
+        f"#SBATCH --signal=SIGUSR1@{signal_lead}",
+        "# Allow the job to be requeued (after the save above, or after a node failure).",
         "#SBATCH --requeue",
         "# Log file; %x = job name, %j = job id. Opened in append mode so a requeued run keeps the log.",
         f"#SBATCH --output={log_file}",
@@ -124,6 +168,8 @@ def write_sbatch(
     if account is not None:
         lines.append(f"#SBATCH --account={account}")
 
+    # a requeued job runs this same command: it resumes from the newest committed checkpoint
+    resume = [] if any(a.split("=", 1)[0] == "--ckpt_path" for a in extra_args) else ["--ckpt_path", "auto"]
     cmd = [
         "lightning-longctx",
         "fit",
@@ -131,6 +177,7 @@ def write_sbatch(
         str(config),
         f"--trainer.num_nodes={nodes}",
         f"--trainer.devices={gpus_per_node}",
+        *resume,
         *extra_args,
     ]
     lines += [
@@ -139,7 +186,8 @@ def write_sbatch(
         "",
         "# srun starts nodes x gpus_per_node processes; Lightning reads rank, world size and the",
         "# rendezvous address from the SLURM environment, so no torchrun is needed. num_nodes and",
-        "# devices are passed explicitly so they always match the allocation above.",
+        "# devices are passed explicitly so they always match the allocation above. --ckpt_path auto:",
+        "# the newest committed checkpoint of the run (a requeued job resumes there), else a fresh start.",
         "srun " + shlex.join(cmd),
         "",
     ]
@@ -164,8 +212,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--job-name", default="longctx", help="(default: %(default)s)")
     p.add_argument("--log-file", default="%x-%j.out", help="job log pattern (default: %(default)s)")
     p.add_argument("--cpus-per-task", type=int, default=None)
+    p.add_argument(
+        "--signal-lead",
+        type=_seconds_or_auto,
+        default=DEFAULT_SIGNAL_LEAD_S,
+        metavar="SECONDS",
+        help="SIGUSR1 this many seconds before the time limit; every rank then saves at the next optimizer step "
+        "and the job is requeued. Rule: one optimizer step plus one checkpoint save (default: %(default)s; "
+        "'auto' with --gpu: the step-time model's one step + one save)",
+    )
+    p.add_argument(
+        "--gpu",
+        default=None,
+        help="device kind (a100-80gb, h100, h200, b200, ...): estimate the config's step time and suggest --time "
+        "and --signal-lead; with --time auto the suggested time is used",
+    )
     p.add_argument("-o", "--output", default=None, help="write the script to this file (default: stdout)")
     return p
+
+
+def _seconds_or_auto(value: str) -> int | str:
+    """``--signal-lead``: whole seconds, or ``auto`` (the step-time model's suggestion, needs ``--gpu``)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither whole seconds nor 'auto'") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +251,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        if args.gpu is not None:  # the step-time model's suggestion (plan_cli.slurm_suggestion)
+            from lightning_longctx.plan_cli import slurm_suggestion
+
+            hint = slurm_suggestion(args.config, args.gpu, gpus_per_node=args.gpus_per_node)
+            print(hint["note"], file=sys.stderr)
+            if args.time == "auto":
+                args.time = hint["time"]
+            if args.signal_lead == "auto":
+                args.signal_lead = min(hint["signal_lead"], _MAX_SIGNAL_LEAD_S)
+        for name in ("time", "signal_lead"):
+            if getattr(args, name) == "auto":
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} auto needs --gpu KIND: the step-time model sizes the job")
         text = write_sbatch(
             nodes=args.nodes,
             gpus_per_node=args.gpus_per_node,
@@ -190,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             extra_args=extra,
             log_file=args.log_file,
             cpus_per_task=args.cpus_per_task,
+            signal_lead=args.signal_lead,
         )
     except ValueError as err:
         parser.print_usage(sys.stderr)

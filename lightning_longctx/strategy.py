@@ -1,18 +1,19 @@
 """``UlyssesFPDTStrategy``: Ulysses / FPDT sequence parallelism as a Lightning strategy.
 
 What it wires together (each part lives in its own module):
-  * the dp x sp layout and its process groups (``mesh.py``),
+  * the dp x sp x tp layout and its one device mesh, from which every process group comes (``mesh.py``),
   * the sampler over data-parallel ranks only (every rank of an SP group reads the same sample),
   * ``shard_batch`` on every batch (``sharding.py``),
-  * attention / MLP / loss swapping in Hugging Face models (``integrations/transformers.py``),
-  * the gradient reduction: DDP averages over all dp*sp ranks; the loss is multiplied by ``sp``
+  * one ``parallelize`` call: attention swap, TP plan, activation checkpointing, FSDP2 (``parallelize.py``),
+    and the data-parallel piece around it, DDP (``ddp.py``) or FSDP2 (``fsdp.py``), chosen once,
+  * the gradient reduction: DDP / FSDP2 average over all dp*sp ranks; the loss is multiplied by ``sp``
     in ``backward`` so that the average becomes "sum over sp, mean over dp" — each SP rank holds
     only its tokens' share of the gradient of the SP group's global-mean loss (docs/user_guide.md,
     "Loss semantics").
 
 Built on ``DDPStrategy`` rather than ``ModelParallelStrategy``: the parameters are replicated (no
 tensor parallelism), DDP's bucketed all-reduce over the whole world is exactly the reduction needed,
-and checkpoints stay plain full state dicts that load into the unpatched HF model.
+and checkpoints (``checkpoint.py``) are sharded directories every rank writes that resume at any layout.
 """
 
 from __future__ import annotations
@@ -23,36 +24,35 @@ import hashlib
 import inspect
 import textwrap
 import typing
-from collections.abc import Callable, Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from transformers import PreTrainedModel
 from typing_extensions import override
 
-from lightning_longctx.comm import all_gather_object, all_reduce_no_grad, count_all_to_all
+from lightning_longctx import checkpoint as ckpt
+from lightning_longctx import preemption
+from lightning_longctx.comm import all_gather_object, all_reduce_no_grad, reaches_sequence_parallel
 from lightning_longctx.config import (
     DEFAULT_FPDT_CHUNK_SIZE,
     SUPPORTED_PRECISION,
     ResolvedConfig,
     SequenceParallelConfig,
 )
-from lightning_longctx.fsdp import MIXED_PRECISION_DTYPES, FSDP2Sharding, move_all_but_models
+from lightning_longctx.fsdp import MIXED_PRECISION_DTYPES
 from lightning_longctx.integrations.context import BatchPositions, SequenceParallelContext
 from lightning_longctx.integrations.hybrid.base import halo_error, packed_documents_error
-from lightning_longctx.integrations.transformers import (
-    context_of,
-    disable_sequence_parallel,
-    enable_activation_checkpointing,
-    enable_sequence_parallel,
-)
-from lightning_longctx.mesh import ParallelLayout, build_device_mesh
+from lightning_longctx.mesh import ParallelLayout, WorldMesh, build_world_mesh
+from lightning_longctx.parallelize import Parallelized, data_parallel_for, parallelize
 from lightning_longctx.sharding import global_positions, shard_batch
 from lightning_longctx.token_mean import TokenMeanWindow
 
@@ -162,17 +162,20 @@ class UlyssesFPDTStrategy(DDPStrategy):
         # argument so that LightningCLI's value is ours, not DDP's default
         kwargs["gradient_as_bucket_view"] = gradient_as_bucket_view
         _check_keywords(kwargs, self.sp_config.data_parallel)
+        for name in _SET_BY_STRATEGY:  # at their defaults (else refused above): LightningCLI passes them all
+            kwargs.pop(name, None)
         if self.sp_config.data_parallel == "fsdp":
             del kwargs["gradient_as_bucket_view"]  # at its default (else refused above): nothing to pass on
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
         self._config: ResolvedConfig | None = None
-        self._mesh: Any = None
-        self._fsdp: FSDP2Sharding | None = None
+        self._world: WorldMesh | None = None  # the one device mesh (mesh.py), built in setup_environment
+        #: the data-parallel piece (parallelize.data_parallel_for): DDP over the replicas, or FSDP2
+        self._data_parallel: Any = None
         self._precision = "32-true"  # Lightning's, read in setup
         self._fitting = False
         self._token_mean: TokenMeanWindow | None = None
-        self._contexts: list[SequenceParallelContext] = []
-        self._undo: list[Callable[[], None]] = []  # what teardown calls to restore the models' checkpointing
+        self._parallelized = Parallelized()  # what parallelize did to the models; teardown undoes it
+        self._saver = ckpt.Saver()  # sharded checkpoint writes, synchronous or in the background
         self._tp_gradients_checked = False  # the first optimizer step checks the replicated gradients (TP)
         self._batches_sharded = 0
         self._verified = False
@@ -194,10 +197,17 @@ class UlyssesFPDTStrategy(DDPStrategy):
         return self.config.layout
 
     @property
-    def device_mesh(self) -> Any:
-        if self._mesh is None:
+    def world_mesh(self) -> WorldMesh:
+        """The one device mesh and its views (mesh.py); every process group the strategy uses is in it."""
+        if self._world is None:
             raise RuntimeError("Accessing the device mesh before the strategy is set up is not allowed")
-        return self._mesh
+        return self._world
+
+    @property
+    def device_mesh(self) -> Any:
+        """The root ``DeviceMesh``: axes ``("data_parallel", "sequence_parallel", "tensor_parallel")`` (``(dp_sp,
+        tensor_parallel)`` on a torch without ``DeviceMesh._flatten``; see ``mesh.build_world_mesh``)."""
+        return self.world_mesh.root
 
     @property
     def sp_size(self) -> int:
@@ -221,7 +231,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
 
     @property
     def tp_group(self) -> Any:
-        return self.device_mesh["tensor_parallel"].get_group()
+        return self.world_mesh.tp_group
 
     @property
     def dp_rank(self) -> int:
@@ -229,11 +239,11 @@ class UlyssesFPDTStrategy(DDPStrategy):
 
     @property
     def sp_group(self) -> Any:
-        return self.device_mesh["sequence_parallel"].get_group()
+        return self.world_mesh.sp_group
 
     @property
     def dp_group(self) -> Any:
-        return self.device_mesh["data_parallel"].get_group()
+        return self.world_mesh.dp_group
 
     @property
     def offload(self) -> bool:
@@ -249,11 +259,15 @@ class UlyssesFPDTStrategy(DDPStrategy):
                 f"sequence_parallel_size={layout.sp} spans nodes ({layout.devices_per_node} devices per "
                 "node): its all-to-alls cross the network. Prefer a divisor of the devices per node"
             )
-        self._mesh = build_device_mesh(layout, self.root_device.type)
-        if cfg.settings.data_parallel == "fsdp":
-            self._fsdp = FSDP2Sharding(
-                self.root_device.type, self.world_size, cpu_offload=cfg.settings.cpu_offload, tp=layout.tp
-            )
+        self._world = build_world_mesh(layout, self.root_device.type)
+        self._data_parallel = data_parallel_for(
+            self._world,
+            cfg,
+            comm_state=self._ddp_comm_state,
+            comm_hook=self._ddp_comm_hook,
+            comm_wrapper=self._ddp_comm_wrapper,
+            **self._ddp_kwargs,
+        )
         if cfg.settings.loss_normalization == "tokens":
             # the gradient reduction averages over the dp x sp replicas (TP peers hold the same loss)
             self._token_mean = TokenMeanWindow(
@@ -295,6 +309,8 @@ class UlyssesFPDTStrategy(DDPStrategy):
             )
         self._precision = precision
         self._fitting = trainer.state.fn == TrainerFn.FITTING
+        # a preemption signal sets a flag; every rank saves at the next optimizer step (preemption.py)
+        preemption.install(trainer)
         if self.layout.tp > 1:  # gradient clipping by norm over the gradients of both meshes (TP, dp x sp)
             from lightning_longctx.tensor_parallel import clip_grad_norm_
 
@@ -302,43 +318,56 @@ class UlyssesFPDTStrategy(DDPStrategy):
             plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(
                 plugin.main_params(optimizer), clip_val
             )
-        self._patch_models()
-        super().setup(trainer)
+        # DDPStrategy.setup's steps, with the one parallelize call between placing and wrapping the model
+        self.accelerator.setup(trainer)
+        if self._fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if not self._fitting:  # nothing else makes the replicas equal (DDP broadcasts when it wraps)
+            _sync_module_states(self.model)
+        # attention swap, TP plan, activation checkpointing, FSDP2 (parallelize.py). bf16-mixed / 16-mixed:
+        # FSDP2 computes in the low dtype over fp32 master weights (Lightning's autocast stays on: harmless over
+        # low-precision parameters, and it keeps its fp32 ops in fp32); DDP reads no param_dtype
+        self._parallelized = parallelize(
+            self.model, self.world_mesh, self.config, param_dtype=MIXED_PRECISION_DTYPES.get(self._precision)
+        )
+        if self._fitting:
+            self.configure_ddp()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if self._fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            import torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook as post_localSGD
 
-    def _patch_models(self) -> None:
-        cfg = self.config
-        for module in self.lightning_module.modules():
-            # modules() is pre-order: the outermost HF model is patched first; inner ones share its config
-            if not isinstance(module, PreTrainedModel) or context_of(module) is not None:
-                continue
-            enable_sequence_parallel(module, group=self.sp_group, config=cfg)
-            if cfg.activation_checkpointing:
-                self._undo.append(
-                    enable_activation_checkpointing(module, offload=cfg.settings.activation_offload)
-                )
-            self._contexts.append(context_of(module))
+            if isinstance(self._ddp_comm_state, post_localSGD.PostLocalSGDState):
+                self._enable_model_averaging()
+
+    @property
+    def _contexts(self) -> list[SequenceParallelContext]:
+        """The patched models' contexts (their guardrail counters, the current batch's positions)."""
+        return self._parallelized.contexts
 
     @override
     def teardown(self) -> None:
-        # The models leave the strategy as they came: plain attention, loss, forward and checkpointing again.
-        for undo in self._undo:
-            undo()
-        self._undo.clear()
-        for module in self.lightning_module.modules() if self.lightning_module is not None else ():
-            if isinstance(module, PreTrainedModel):
-                disable_sequence_parallel(module)
-        self._contexts.clear()
+        self._saver.wait()  # a checkpoint still being written in the background is finished and committed
+        # The models leave the strategy as they came: plain attention, loss, forward and checkpointing again
+        # (TP and FSDP2 stay: a model sharded once keeps its shards).
+        self._parallelized.undo()
         super().teardown()
 
-    # ---- DDP, or FSDP2 through its own object (fsdp.py) ----
+    # ---- the data-parallel piece: DDP (ddp.py) or FSDP2 (fsdp.py), chosen once in setup_environment ----
     @override
     def model_to_device(self) -> None:
-        if not (self._fitting and self.sp_config.cpu_offload):
-            return super().model_to_device()
-        # The transformers models stay on the host (where tensor_init_context built them): fully_shard (in
-        # _setup_model) moves one block at a time to the device and keeps only its shard, on the host again.
-        move_all_but_models(self.model, self.root_device)
-        return None
+        # under cpu_offload FSDP2's piece keeps the transformers models on the host (where tensor_init_context
+        # built them): fully_shard moves one block at a time to the device and keeps its shard on the host
+        self._data_parallel.model_to_device(self.model, self.root_device)
+
+    @override
+    def configure_ddp(self) -> None:
+        # fitting only: DDP over the replicas with its comm hooks (ddp.py), or the model as parallelize
+        # sharded it (FSDP2, whose modules Lightning's DDP hook registration must not see)
+        self.model = self._data_parallel.wrap(self.model, self.determine_ddp_device_ids())
 
     @contextmanager
     @override
@@ -350,47 +379,149 @@ class UlyssesFPDTStrategy(DDPStrategy):
         ):
             yield
 
+    # ---- checkpoints (checkpoint.py) ----
+    @property
     @override
-    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self._fsdp is None:
-            return super()._setup_model(model)
-        if self._fsdp.tp_mesh is not None:  # TP first, FSDP2 over dp x sp on the same root mesh next
-            from lightning_longctx.fsdp import outermost_models
-            from lightning_longctx.tensor_parallel import apply_tp_plan
+    def restore_checkpoint_after_setup(self) -> bool:
+        # a checkpoint loads into the model and optimizers as set up (sharded, offloaded, TP-split): each
+        # rank reads the pieces of its own layout, whatever layout saved them
+        return True
 
-            for root in outermost_models(model):
-                apply_tp_plan(
-                    root, self._fsdp.tp_mesh, tp=self.layout.tp, vocab_parallel=self.config.mode == "fpdt"
-                )
-        # bf16-mixed / 16-mixed: FSDP2 computes in the low dtype over fp32 master weights (Lightning's
-        # autocast stays on: harmless over low-precision parameters, and it keeps its fp32 ops in fp32)
-        return self._fsdp.shard(model, param_dtype=MIXED_PRECISION_DTYPES.get(self._precision))
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizers itself, in both formats
+
+    @property
+    def _sharded_checkpoints(self) -> bool:
+        return self.sp_config.checkpoint_format == "sharded"
+
+    def _raw_optimizers(self) -> list[Any]:
+        return [getattr(optimizer, "_optimizer", optimizer) for optimizer in self.optimizers]
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._fsdp is None:
-            return super().lightning_module_state_dict()
-        return self._fsdp.model_state_dict(self.lightning_module)  # a collective
+        """The state a checkpoint saves: each rank's own shards (``checkpoint_format="sharded"``) or the full
+        state on rank 0 (``"full"``). A collective under FSDP: every rank calls it."""
+        return ckpt.model_state(self.lightning_module, full=not self._sharded_checkpoints)
 
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if self._fsdp is None:
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        return self._fsdp.load_model_state_dict(self.lightning_module, checkpoint["state_dict"], strict)
+    def full_state_dict(self) -> dict[str, Any]:
+        """The LightningModule's full state dict, keys as ``lightning_module.state_dict()``: under FSDP gathered
+        to the host of rank 0 (the other ranks get an empty dict; a collective: every rank calls it), under
+        DDP every rank's own replica."""
+        if self.sp_config.data_parallel == "ddp":
+            return dict(self.lightning_module.state_dict())
+        return ckpt.model_state(self.lightning_module, full=True)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self._fsdp is None:
-            return super().optimizer_state(optimizer)
-        return self._fsdp.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return ckpt.optimizer_state(self.lightning_module, optimizer, full=not self._sharded_checkpoints)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # load_checkpoint loaded the model already, into its current layout
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self._fsdp is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            self._fsdp.load_optimizer_state(self.lightning_module, optimizer, state)
-        return None
+        pass  # and the optimizers
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Write ``checkpoint`` to ``filepath`` (every rank calls it): into ``.partial-<name>`` first, committed
+        by rank 0 (marker, then rename) once every rank has written its part (checkpoint.py)."""
+        if storage_options is not None:
+            raise TypeError(
+                "UlyssesFPDTStrategy writes its checkpoints itself and takes no `storage_options`; "
+                f"got {storage_options!r}. Remove it"
+            )
+        path = Path(self.broadcast(str(filepath)))
+        record = self._commit_record(checkpoint)
+        self._saver.wait()  # one save in flight at a time; its directory is committed before the next starts
+        partial = ckpt.partial_path(path)
+        if self.is_global_zero:
+            ckpt.remove(partial)  # a previous attempt killed mid-save
+            (partial if self._sharded_checkpoints else partial.parent).mkdir(parents=True, exist_ok=True)
+        if not self._sharded_checkpoints:
+            if self.is_global_zero:
+                # torch.save straight to the file: Lightning's CheckpointIO serialises the whole checkpoint in
+                # memory first (twice the state at the peak); atomicity comes from the rename in commit()
+                torch.save(checkpoint, partial)
+                ckpt.commit(partial, path, record)
+            self.barrier("save_checkpoint")
+            return
+        state = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
+        for index, optimizer in enumerate(checkpoint.pop("optimizer_states", ())):
+            state[ckpt.optimizer_key(index)] = optimizer
+        self.barrier("save_checkpoint")  # rank 0 made the partial directory
+        self._saver.save(
+            state,
+            checkpoint,
+            partial,
+            path,
+            record,
+            is_zero=self.is_global_zero,
+            background=self.sp_config.async_save,
+        )
+        self.barrier("save_checkpoint")
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the checkpoint written in the background (``async_save=True``) is on disk and committed
+        (every rank calls it); a failed write raises here. The next save, a preemption save and teardown call
+        it themselves; a no-op when nothing is in flight."""
+        self._saver.wait()
+
+    def _commit_record(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        import lightning
+        import transformers
+
+        layout = self.layout
+        return {
+            "format": self.sp_config.checkpoint_format,
+            "global_step": int(checkpoint.get("global_step", -1)),
+            "epoch": int(checkpoint.get("epoch", -1)),
+            "layout": {
+                "world_size": layout.world_size,
+                "data_parallel": layout.dp,
+                "sequence_parallel": layout.sp,
+                "tensor_parallel": layout.tp,
+                "data_parallel_mode": self.sp_config.data_parallel,
+                "mode": str(self.config.mode),
+                "cpu_offload": self.sp_config.cpu_offload,
+            },
+            # torch.distributed.checkpoint promises no compatibility across torch versions
+            "versions": {
+                "torch": torch.__version__,
+                "lightning": lightning.__version__,
+                "transformers": transformers.__version__,
+            },
+        }
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint of either format into the set-up model and optimizers (each rank its own
+        pieces; a full file memory-mapped) and return the rest (loops, callbacks, schedulers) for Lightning."""
+        path = Path(checkpoint_path)
+        strict = self.lightning_module.strict_loading
+        optimizers = self._raw_optimizers() if self._fitting else []
+        if ckpt.is_sharded_checkpoint(path):
+            ckpt.load_sharded(path, self.lightning_module, optimizers, strict)
+            return torch.load(path / ckpt.META_FILE, map_location="cpu", weights_only=False)
+        if path.is_dir():
+            raise ValueError(
+                f"ckpt_path={str(path)!r} is a directory without .metadata: not a (committed) sharded checkpoint. "
+                "Pass a committed checkpoint, e.g. lightning_longctx.checkpoint.latest_checkpoint(run_dir)"
+            )
+        loaded = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        ckpt.load_full_state(self.lightning_module, optimizers, loaded, strict)
+        return loaded
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:  # retention: after the save in flight (async_save) is committed
+            self._saver.remove_after_commit(filepath)
 
     # ---- batches ----
     def chunk_size_for(self, seq_len: int) -> int | None:
@@ -480,13 +611,15 @@ class UlyssesFPDTStrategy(DDPStrategy):
             return super().training_step(*args, **kwargs)
         for ctx in self._contexts:
             ctx.attention_calls = ctx.mixer_calls = 0
-        with count_all_to_all() as count:
-            out = super().training_step(*args, **kwargs)
-        self._verify_first_step(count.calls + count.exchange_calls)
+        out = super().training_step(*args, **kwargs)
+        self._verify_first_step(out.get("loss") if isinstance(out, Mapping) else out)
         self._verified = True
         return out
 
-    def _verify_first_step(self, collectives: int) -> None:
+    def _verify_first_step(self, loss: Any) -> None:
+        """Transformers models: every attention layer and mixer went through our functions (the counters on
+        their contexts). Plain models: the loss depends on a sequence-parallel collective (its autograd
+        graph; not checked when the graph cannot tell: manual optimisation, reentrant checkpointing)."""
         for ctx in self._contexts:
             if ctx.attention_calls < ctx.num_attention_layers:
                 raise RuntimeError(
@@ -499,7 +632,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
                     f"only {ctx.mixer_calls} of {ctx.num_mixers} hybrid mixers (convolutions, linear attention, "
                     "state-space layers) ran in the first step; the model calls them some way we did not patch"
                 )
-        if self.sp_size > 1 and collectives == 0:
+        if self.sp_size > 1 and not self._contexts and reaches_sequence_parallel(loss) is False:
             raise RuntimeError(
                 f"sequence_parallel_size={self.sp_size} but the first training step ran no sequence-parallel "
                 "attention: each rank would attend only to its own shard. Call lightning_longctx.ulysses_attention "

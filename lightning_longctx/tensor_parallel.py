@@ -1,12 +1,12 @@
-"""``tensor_parallel_size``: a Hugging Face model's own tensor-parallel plan applied on the tp sub-mesh.
+"""``tensor_parallel_size``: a Hugging Face model's own tensor-parallel plan, on the mesh's tensor_parallel axis.
 
 Hugging Face models declare their plan in ``config.base_model_tp_plan`` (module-name patterns relative to
 the base model, e.g. ``"layers.*.self_attn.q_proj": "colwise"``, ``"layers.*.self_attn.q_norm":
 "replicated_with_grad_allreduce"``); transformers' public ``apply_tensor_parallelism`` applies a plan of
 concrete names on any 1-D mesh (its ``from_pretrained(device_mesh=...)`` builds its own mesh and ignores
 ours). :func:`apply_tp_plan` expands the patterns to the base model's modules and their parameters and
-applies it on the strategy's tp sub-mesh. The embedding stays replicated (its gradients are equal on every
-TP rank). In FPDT mode an untied ``lm_head`` whose vocabulary divides by ``tp`` is split over the vocabulary
+applies it on the world mesh's ``tensor_parallel`` axis (mesh.py). The embedding stays replicated (its
+gradients are equal on every TP rank). In FPDT mode an untied ``lm_head`` whose vocabulary divides by ``tp`` is split over the vocabulary
 (:func:`vocab_parallel_head`: Hugging Face's ``colwise_gather_output``, so a call of the module itself still
 returns full logits) and the chunked loss runs vocabulary parallel on this rank's rows (:func:`local_head`):
 no rank ever holds a ``(chunk, vocab)`` block or the whole head. Under Ulysses, or tied to the embedding, the
@@ -24,6 +24,9 @@ import re
 from typing import Any
 
 from torch import nn
+
+from lightning_longctx.comm import all_gather_no_grad, all_gather_object, group_rank_size
+from lightning_longctx.mesh import TP_AXIS
 
 #: the plan styles checked exact against one process: Llama, Qwen2, Qwen3, Mistral, Mixtral (experts: the packed
 #: gate/up column-wise, down row-wise, their sum all-reduced) in tests/test_tensor_parallel.py, and the 35 dense
@@ -173,7 +176,7 @@ def local_head(head: nn.Module) -> tuple[Any, Any, Any]:
     if not isinstance(weight, DTensor):
         return weight, bias, None
     # only the tp mesh's rows are vocabulary blocks (FSDP2's dp x sp shards are gathered before forward)
-    if weight.device_mesh.mesh_dim_names != ("tp",) or tuple(weight.placements) != (Shard(0),):
+    if weight.device_mesh.mesh_dim_names != (TP_AXIS,) or tuple(weight.placements) != (Shard(0),):
         raise ValueError(
             f"the lm_head weight is a DTensor with placements {weight.placements} on mesh "
             f"{weight.device_mesh.mesh_dim_names}; the chunked loss takes a full weight or rows split over one "
@@ -185,7 +188,7 @@ def local_head(head: nn.Module) -> tuple[Any, Any, Any]:
 
 def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> Any:
     """``torch.nn.utils.clip_grad_norm_`` for gradients on several meshes (TP-split weights are DTensors on the
-    (dp x sp, tp) mesh, the replicated ones on its dp x sp axis; torch's version stacks them and fails): one
+    (dp_sp, tensor_parallel) mesh, the replicated ones on its dp x sp axis; torch's version stacks them and fails): one
     total norm per mesh (a full tensor: DTensor reduces over the mesh), combined, then every gradient scaled.
     Returns the total norm."""
     import torch
@@ -216,10 +219,9 @@ def check_replicated_gradients(parameters: Any, tp_group: Any, rtol: float = 1e-
     diverge from one device. One all-gather of two numbers per parameter over the TP group (every rank calls
     it, with the same parameters in the same order), and one all-gather of the verdicts over the world."""
     import torch
-    import torch.distributed as dist
 
     named = [(n, p) for n, p in parameters if p.grad is not None]
-    replicated = [(n, p) for n, p in named if "tp" not in (_mesh_names(p) or ())]
+    replicated = [(n, p) for n, p in named if TP_AXIS not in (_mesh_names(p) or ())]
     if not replicated:
         return
     stats = torch.stack(
@@ -228,19 +230,15 @@ def check_replicated_gradients(parameters: Any, tp_group: Any, rtol: float = 1e-
             for g in (_local(p.grad) for _, p in replicated)
         ]
     )
-    world = dist.get_world_size(tp_group)
-    gathered = [torch.empty_like(stats) for _ in range(world)]
-    dist.all_gather(gathered, stats.contiguous(), group=tp_group)
-    every = torch.stack(gathered)  # (tp, params, 2)
+    world = group_rank_size(tp_group)[1]
+    every = all_gather_no_grad(stats[None], tp_group)  # (tp, params, 2)
     spread = (every.amax(0) - every.amin(0)).abs()
     scale = every.abs().amax(0)
     bad = [name for (name, _), s, m in zip(replicated, spread.tolist(), scale.tolist())
            if any(d > rtol * x + 1e-30 for d, x in zip(s, m))]  # fmt: skip
     # FSDP2 leaves a rank only its shard (a small parameter's can be empty): every rank learns every TP
     # group's verdict, so all raise the same error or none does (no rank waits in the next collective)
-    every_bad = [None] * dist.get_world_size()
-    dist.all_gather_object(every_bad, bad)
-    bad = sorted({name for names in every_bad for name in names})
+    bad = sorted({name for names in all_gather_object(bad) for name in names})
     if bad:
         raise ValueError(
             f"tensor_parallel_size={world}: the gradients of {bad[:4]}{' ...' if len(bad) > 4 else ''} differ "

@@ -8,13 +8,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _dist import WarmPools
+from helpers.launch import WarmPools
 
 #: A warm gloo pool per world size (rebuilt when a previous test broke it): ``get_pool(world_size)``.
 get_pool = WarmPools()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # the same warm pools for every test (a module-scoped fixture may use them)
 def dist_pool():
     return get_pool
 

@@ -1,7 +1,7 @@
 """What the randomized differential tests share: the verdict of one drawn configuration, and the rule
 that sorts a run's outcome into it.
 
-A configuration is run on real gloo ranks (``_dist.DistPool``) and compared with a single-process
+A configuration is run on real gloo ranks (``helpers.launch.DistPool``) and compared with a single-process
 reference. Its verdict is one of
 
 * ``exact``: every rank returned and every compared tensor is within the tolerance;

@@ -6,7 +6,8 @@ gradient accumulation, Ulysses or FPDT (chunk size), FPDT offload and overlap, a
 offload, DDP or FSDP2 (with or without model-state offload to the host, with or without tensor parallelism over
 2 ranks: dp = world / (sp * tp); models without a TP plan or with heads not divisible refuse), packed documents (position ids
 restarting at 0, the first label of a document ignored as ``DataCollatorWithFlattening`` does), the sequence
-length (also one that does not divide) and the loss normalization. :func:`run_strategy` trains one optimizer step (SGD) under
+length (also one that does not divide), the loss normalization and a checkpoint round trip after the step
+(sharded or full: saved, the parameters overwritten, loaded back). :func:`run_strategy` trains one optimizer step (SGD) under
 ``UlyssesFPDTStrategy`` on every rank and compares EVERY parameter with a single-process loop on the
 same global batch, which runs each packed document on its own (so the reference knows nothing of our
 document masks): relative error within :data:`TOLERANCE`, or a clear refusal (``fuzz_common``).
@@ -64,6 +65,8 @@ class StratCase:
     packed: bool = False
     loss_normalization: str = "tokens"
     seed: int = 0
+    #: after the step: save a checkpoint in this format, scramble the parameters, load it back (None: no)
+    checkpoint: str | None = None
 
     @property
     def mode(self) -> str:
@@ -102,7 +105,7 @@ def strategy_cases(draw: st.DrawFn, archs: list[str] | None = None) -> StratCase
         case = dataclasses.replace(case, cpu_offload=draw(st.booleans()))
         if world % (2 * sp) == 0:
             case = dataclasses.replace(case, tensor_parallel_size=draw(st.sampled_from([1, 2])))
-    return case
+    return dataclasses.replace(case, checkpoint=draw(st.sampled_from([None, "sharded", "full"])))
 
 
 class FuzzDataset(Dataset):
@@ -186,13 +189,13 @@ def run_strategy(case: StratCase) -> tuple[str, object]:
     import lightning as L
     import torch.distributed as dist
     from arch_sweep import arch_by_name, build_model
-    from hf_models import HFModule
-    from test_strategy import _env_for_lightning
+    from helpers.hf_models import HFModule
+    from helpers.lightning import lightning_env
 
     from lightning_longctx import UlyssesFPDTStrategy
 
     assert dist.get_world_size() == case.world
-    _env_for_lightning()
+    lightning_env()
     data = FuzzDataset(case.dp * case.accumulate, case.seq, case.packed, case.seed)
     arch = arch_by_name(case.arch)
     module = HFModule(build_model(arch), lr=LR, dataset=data)
@@ -208,6 +211,7 @@ def run_strategy(case: StratCase) -> tuple[str, object]:
             cpu_offload=case.cpu_offload,
             tensor_parallel_size=case.tensor_parallel_size,
             loss_normalization=case.loss_normalization,
+            checkpoint_format=case.checkpoint or "sharded",
         )
         trainer = L.Trainer(
             strategy=strategy, accelerator="cpu", devices=case.world, max_steps=1,
@@ -217,7 +221,9 @@ def run_strategy(case: StratCase) -> tuple[str, object]:
         trainer.fit(module)
     except REFUSALS as e:
         return refusal_or_raise(e)
-    state = {k.removeprefix("model."): v for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    if case.checkpoint is not None:
+        _checkpoint_round_trip(trainer)
+    state = {k.removeprefix("model."): v for k, v in trainer.strategy.full_state_dict().items()}
     if not state:  # FSDP gathers the full state dict on rank 0 only
         return "ran", 0.0
     ref = build_model(arch)
@@ -235,3 +241,25 @@ def run_strategy(case: StratCase) -> tuple[str, object]:
             f"{case}: no parameter moved in the reference step: the comparison proves nothing"
         )
     return "ran", worst
+
+
+def _checkpoint_round_trip(trainer) -> None:
+    """Save the trained state (in the strategy's drawn ``checkpoint_format``), overwrite every parameter, and
+    load it back: the comparison with the reference that follows then checks the checkpoint too, under the
+    drawn layout."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    root = [tempfile.mkdtemp(prefix="fuzz_ckpt_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(root)
+    path = f"{root[0]}/step.ckpt"
+    trainer.save_checkpoint(path)
+    with torch.no_grad():
+        for p in trainer.lightning_module.parameters():
+            p.add_(1.0)  # a DTensor shard or a replica alike
+    trainer.strategy.load_checkpoint(path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root[0], ignore_errors=True)

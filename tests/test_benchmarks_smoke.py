@@ -186,3 +186,20 @@ def test_bench_hybrid_bytes_are_the_formula(tmp_path: Path) -> None:
     assert all(r["bytes_per_rank"] == r["formula"] for r in data["rows"])
     assert 0 < exchange["bytes_per_rank"] < attention["bytes_per_rank"]
     assert data["timing"]["per_rank_s"] > 0
+
+
+def test_bench_checkpoint_smoke(tmp_path: Path) -> None:
+    """Full vs sharded vs async checkpoints at world 2: every format saves, loads back what it saved (the script
+    checks), and the sharded ones are torch.distributed.checkpoint directories with one shard file per rank."""
+    out, ckpts = tmp_path / "checkpoint.json", tmp_path / "ckpts"
+    _run_script(["benchmarks/bench_checkpoint.py", "--smoke", "--out", str(out), "--ckpt-dir", str(ckpts)])
+    data = json.loads(out.read_text())
+    rows = {r["format"]: r for r in data["rows"]}
+    assert list(rows) == ["full", "sharded", "async"] and all(r["status"] == "ok" for r in rows.values())
+    assert all(r["save_s"] > 0 and r["load_s"] > 0 and r["disk_bytes"] > 0 for r in rows.values())
+    assert rows["async"]["blocking_s"] <= rows["async"]["save_s"]
+    assert (ckpts / "full-0.ckpt").is_file() and (ckpts / "full-0.ckpt.commit.json").is_file()
+    for fmt in ("sharded", "async"):
+        names = {p.name for p in (ckpts / f"{fmt}-0.ckpt").iterdir()}
+        assert {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt", "commit.json"} <= names, names
+    assert out.with_suffix(".png").is_file()

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from hf_models import tiny_model
-from test_strategy import _compare, _fit
+from helpers.hf_models import tiny_model
+from helpers.lightning import compare_to_reference, fit_hf
 
 from lightning_longctx import UlyssesFPDTStrategy, enable_sequence_parallel
 from lightning_longctx.mesh import ParallelLayout
@@ -25,8 +25,8 @@ from lightning_longctx.mesh import ParallelLayout
     ],
 )
 def test_sliding_window_and_softcap_are_honoured(dist_pool, name, arch, strategy_kwargs, model_kwargs):
-    results = dist_pool(2).run(_fit, arch, 2, 2, strategy_kwargs, model_kwargs)
-    _compare(results, arch, 2, 2, 2, model_kwargs)
+    results = dist_pool(2).run(fit_hf, arch, 2, 2, strategy_kwargs, model_kwargs)
+    compare_to_reference(results, arch, 2, 2, 2, model_kwargs)
 
 
 def _direct_call_errors():

@@ -18,7 +18,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.cli import LongCtxCLI, main
-from lightning_longctx.data import RecallDataModule
+from lightning_longctx.recipes import RecallDataModule
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"
@@ -96,7 +96,7 @@ def test_example_config_parses(config, capsys):
     assert exit_info.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["strategy"]["class_path"] == "lightning_longctx.UlyssesFPDTStrategy"
-    assert printed["model"]["class_path"] == "lightning_longctx.models.CausalLM"
+    assert printed["model"]["class_path"] == "lightning_longctx.recipes.CausalLM"
 
 
 def test_llama3_8b_configs_have_the_llama3_8b_shape():
@@ -129,7 +129,7 @@ def test_sbatch_examples_are_what_the_generator_writes(name, tmp_path):
     srun = next(line for line in committed.splitlines() if line.startswith("srun "))
     assert srun == (
         f"srun lightning-longctx fit --config {args['--config']} "
-        f"--trainer.num_nodes={trainer['num_nodes']} --trainer.devices={trainer['devices']}"
+        f"--trainer.num_nodes={trainer['num_nodes']} --trainer.devices={trainer['devices']} --ckpt_path auto"
     )
 
 
@@ -142,7 +142,7 @@ def test_python_m_runs_the_slurm_subcommand(tmp_path, monkeypatch):
         runpy.run_module("lightning_longctx", run_name="__main__", alter_sys=True)
     assert exit_info.value.code == 0
     assert "srun lightning-longctx fit --config my.yaml --trainer.num_nodes=2 --trainer.devices=4 " \
-        "--trainer.max_steps=10" in out.read_text()  # fmt: skip
+        "--ckpt_path auto --trainer.max_steps=10" in out.read_text()  # fmt: skip
     assert main(["slurm", "--nodes", "0", "--gpus-per-node", "8", "--config", "my.yaml"]) == 2
 
 
@@ -262,7 +262,7 @@ def test_slurm_tasks_per_node_must_match_devices(monkeypatch):
 
 def _fit_under_fake_slurm() -> dict:
     """One rank of a fake 2-node x 2-task srun job: a one-step fit, then the groups the mesh built."""
-    from lightning_longctx.models import CausalLM
+    from lightning_longctx.recipes import CausalLM
 
     saved = dict(os.environ)
     rank = dist.get_rank()

@@ -6,15 +6,8 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_longctx.data import (
-    ByteTokenizer,
-    RecallAccuracy,
-    RecallDataModule,
-    RecallDataset,
-    TextFilesDataModule,
-    pack_documents,
-    recall_accuracy,
-)
+from lightning_longctx.data import ByteTokenizer, TextFilesDataModule, pack_documents
+from lightning_longctx.recipes import RecallAccuracy, RecallDataModule, RecallDataset, recall_accuracy
 
 # ------------------------------------------------------------------------------- recall task
 

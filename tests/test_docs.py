@@ -58,7 +58,7 @@ def test_documented_command_is_exercised(where: str, cmd: str, tmp_path: Path) -
         i = args.index("-o")
         argv = ["-m", "lightning_longctx", *args[1:i], "-o", str(out), *args[i + 2 :]]
         subprocess.run([sys.executable, *argv], cwd=ROOT, check=True, timeout=120)
-        assert "#SBATCH --signal=SIGUSR1@90" in out.read_text()
+        assert "#SBATCH --signal=SIGUSR1@600" in out.read_text() and "--ckpt_path auto" in out.read_text()
     elif args[:2] == ["lightning-longctx", "plan"]:  # cheap: runs for real
         proc = subprocess.run(
             [sys.executable, "-m", "lightning_longctx", *args[1:]],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from reference import packed_positions, reference_attention
+from helpers.reference import packed_positions, reference_attention
 
 import lightning_longctx.attention.fpdt as fpdt_mod
 import lightning_longctx.attention.ulysses as ulysses_mod
@@ -83,7 +83,7 @@ def test_global_positions_pads_like_shard_batch():
 
 def _hf_step_gathers(through_strategy: bool, checkpointing: bool) -> dict:
     """A tiny Llama with packed documents, forward + backward: how many position all-gathers ran."""
-    from hf_models import tiny_model
+    from helpers.hf_models import tiny_model
 
     from lightning_longctx import enable_sequence_parallel, shard_batch
     from lightning_longctx.integrations.context import BatchPositions

@@ -1,8 +1,11 @@
-"""Surviving faults: a rank SIGKILLed under torchrun, and SLURM's SIGUSR1 -> checkpoint -> requeue.
+"""Surviving faults: a rank SIGKILLed under torchrun, and SLURM's SIGUSR1 (or a SIGTERM) sent to ONE rank
+mid-step under a faked srun: every rank saves at the next optimizer step, rank 0 requeues, every process exits.
 
 Each run trains a tiny Llama with sp=2, FPDT chunking and host offload (and, in one test, activation
-offload too); after the restart the loss of every step must equal the uninterrupted run's, and so must
-every final parameter (same batches, same ops in the same order).
+offload too) and commits a checkpoint every step; the restart resumes from the newest committed checkpoint
+(``latest_checkpoint``, what ``--ckpt_path auto`` does). After it the loss of every step must equal the
+uninterrupted run's, and so must every final parameter (same batches, same ops in the same order).
+The 4-rank FSDP + TP version of the preemption protocol is in test_preemption.py.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def _assert_same_params(resumed: dict[str, torch.Tensor], full: dict[str, torch.
 
 def _assert_trained(params: dict[str, torch.Tensor]) -> None:
     """The final parameters moved away from initialization, so comparing them proves something."""
-    from hf_models import tiny_model
+    from helpers.hf_models import tiny_model
 
     init = tiny_model("llama").state_dict()
     assert sorted(params) == sorted(init)
@@ -176,20 +179,33 @@ def _srun_like(out: Path, port: int, bin_dir: Path, *args: str) -> tuple[list[in
 
 
 @pytest.mark.slow
-def test_slurm_sigusr1_checkpoints_requeues_and_resumes(uninterrupted, tmp_path):
-    from _dist import free_port
+@pytest.mark.parametrize(("sig", "requeued"), [("SIGUSR1", True), ("SIGTERM", False)])
+def test_slurm_signal_to_one_rank_checkpoints_requeues_and_resumes(uninterrupted, tmp_path, sig, requeued):
+    """Rank 1 alone receives the signal in the middle of step 3. Both ranks save the committed checkpoint of
+    step 4 (the next optimizer-step boundary), rank 0 runs `scontrol requeue` after SIGUSR1 only (SIGTERM is a
+    cancellation, or a preemption SLURM requeues itself), both exit 0; no HPC checkpoint is written. The
+    requeued job resumes from the newest committed checkpoint and ends as if nothing had happened."""
+    from helpers.launch import free_port
+
+    from lightning_longctx.checkpoint import commit_info, latest_checkpoint
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     scontrol = bin_dir / "scontrol"
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
     scontrol.chmod(0o755)
-    codes, output = _srun_like(tmp_path, free_port(), bin_dir, "--usr1-at", "3")
+    codes, output = _srun_like(tmp_path, free_port(), bin_dir, "--signal-at", "3", "--signal", sig)
     assert codes == [0, 0], output
-    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
-    assert list(tmp_path.glob("hpc_ckpt_*.ckpt")), "SIGUSR1 must leave an HPC checkpoint"
-    # the requeued job starts again with the same command: Lightning resumes from the HPC checkpoint
-    codes, output = _srun_like(tmp_path, free_port(), bin_dir)
+    log = tmp_path / "scontrol.log"
+    assert (log.read_text().split() if log.exists() else []) == (["requeue", "4242"] if requeued else [])
+    assert not list(tmp_path.rglob("hpc_ckpt_*")), "Lightning's in-handler save must not run"
+    assert max(_losses(tmp_path)) == 3, "step 3 finishes, step 4 never starts"
+    newest = latest_checkpoint(tmp_path)
+    assert newest == tmp_path / "ckpt" / "step-00000004.ckpt", (newest, output)
+    assert commit_info(newest)["global_step"] == 4
+    assert not (tmp_path / "final_params.pt").exists(), "fit must not have ended normally"
+    # the requeued job starts again: it resumes from the newest committed checkpoint
+    codes, output = _srun_like(tmp_path, free_port(), bin_dir, "--resume")
     assert codes == [0, 0], output
     _assert_same_losses(_losses(tmp_path), uninterrupted.losses)
     _assert_same_params(_params(tmp_path), uninterrupted.params)

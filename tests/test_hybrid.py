@@ -102,7 +102,7 @@ def test_exclusive_affine_scan_matches_the_sequential_fold(dist_pool, world, seg
 
 
 def _hybrid(seed: int = 0) -> nn.Module:
-    from hf_models import tiny_model
+    from helpers.hf_models import tiny_model
 
     return tiny_model("qwen3_5", seed=seed)
 

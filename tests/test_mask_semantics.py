@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from reference import packed_positions
+from helpers.reference import packed_positions
 from transformers import AttentionInterface, LlamaForCausalLM
 from transformers.masking_utils import (
     AttentionMaskInterface,

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import math
-import os
 
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.lightning import lightning_env
 
 from lightning_longctx import UlyssesFPDTStrategy
-from lightning_longctx.data import RecallDataModule
-from lightning_longctx.models import CausalLM, warmup_cosine
+from lightning_longctx.recipes import CausalLM, RecallDataModule, warmup_cosine
 
 TINY = dict(
     model_type="llama",
@@ -135,18 +134,11 @@ def test_fit_checkpoint_and_load(tmp_path):
 # ---- under the strategy (gloo pool) ----
 
 
-def _env_for_lightning() -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-
-
 def _validate(strategy_kwargs: dict | None) -> dict:
     if strategy_kwargs is None:
         trainer = _quiet_trainer()
     else:
-        _env_for_lightning()
+        lightning_env()
         strategy = UlyssesFPDTStrategy(sequence_parallel_size=dist.get_world_size(), **strategy_kwargs)
         trainer = _quiet_trainer(strategy=strategy, devices=dist.get_world_size())
     (metrics,) = trainer.validate(_tiny(), RecallDataModule(**DATA), verbose=False)

@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 import torch
-from hf_models import tiny_model
+from helpers.hf_models import tiny_model
 from transformers import AttentionInterface
 
 from lightning_longctx import disable_sequence_parallel, enable_sequence_parallel, shard_batch

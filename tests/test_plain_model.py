@@ -6,7 +6,6 @@ single-process run of the same model with ``group=None`` on the full sequence.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.lightning import lightning_env
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_longctx
@@ -45,14 +45,6 @@ class Tokens(Dataset):
         return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
-def _env_for_lightning() -> None:
-    # The pool already initialised the default group; Lightning sees LOCAL_RANK and does not launch.
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-
-
 def _trainer(sp: int, fpdt_chunk_size: int | None) -> L.Trainer:
     return L.Trainer(
         strategy=UlyssesFPDTStrategy(sequence_parallel_size=sp, fpdt_chunk_size=fpdt_chunk_size),
@@ -67,7 +59,7 @@ def _trainer(sp: int, fpdt_chunk_size: int | None) -> L.Trainer:
 
 
 def _fit_plain(sp: int, fpdt_chunk_size: int | None) -> dict:
-    _env_for_lightning()
+    lightning_env()
     torch.manual_seed(0)
     module = NanoGPTModule(lr=LR, optimizer="sgd", **GPT_KWARGS)
     trainer = _trainer(sp, fpdt_chunk_size)
@@ -122,7 +114,7 @@ class _LocalOnlyModule(L.LightningModule):
 
 
 def _fit_local_only() -> str:
-    _env_for_lightning()
+    lightning_env()
     try:
         _trainer(2, None).fit(
             _LocalOnlyModule(), train_dataloaders=DataLoader(Tokens(STEPS), batch_size=1, shuffle=False)

@@ -723,7 +723,7 @@ def test_tensor_parallel_state_is_the_plans_local_shards(arch, mode):
     """Per-rank parameters, gradients, AdamW state and FSDP's unsharded blocks at tp = 2 are the local shards
     of the model's own plan (q/k/v/gate/up column-wise, o/down row-wise; norms, Qwen3's q/k norms and the
     embedding whole; the untied lm_head over the vocabulary in FPDT mode only), then / (dp * sp) by FSDP."""
-    from hf_models import tiny_config, tiny_model
+    from helpers.hf_models import tiny_config, tiny_model
 
     model, config = tiny_model(arch), tiny_config(arch)
     local, block, root = _tp_local_counts(model, 2, vocab_parallel=mode == "fpdt")
@@ -744,9 +744,9 @@ def test_tensor_parallel_state_is_the_plans_local_shards(arch, mode):
 def test_tensor_parallel_splits_mixtrals_experts_not_its_router():
     """Mixtral: the packed gate/up experts column-wise, down row-wise, the router (``mlp.gate``) and norms whole.
     (plan_memory itself does not plan mixture-of-experts configs: their dims; this is its parameter count.)"""
-    from hf_models import tiny_config, tiny_model
+    from helpers.hf_models import tiny_config, tiny_model
 
-    from lightning_longctx.planner import _count_params, _TPSplit
+    from lightning_longctx.planner.shapes import _count_params, _TPSplit
 
     model = tiny_model("mixtral")
     total, block, root, _, _, split = _count_params(tiny_config("mixtral"))
@@ -934,13 +934,8 @@ def test_recurrent_mixers_save_what_the_formula_says(kind, precision):
     from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-    from lightning_longctx.planner import (
-        _blocks_of,
-        _gdn_dims,
-        _gdn_token_bytes,
-        _mamba2_dims,
-        _mamba2_token_bytes,
-    )
+    from lightning_longctx.planner.shapes import _blocks_of, _gdn_dims, _mamba2_dims
+    from lightning_longctx.planner.terms import _gdn_token_bytes, _mamba2_token_bytes
 
     cfg = dict(GDN_TINY if kind == "gated_deltanet" else MAMBA2_TINY)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
@@ -968,7 +963,8 @@ def test_recurrent_mixers_save_what_the_formula_says(kind, precision):
 def test_hybrid_layers_are_planned_by_kind():
     """Qwen3.5 (3 GDN layers, 1 attention layer): the GDN layers save their own bytes, not attention's; the
     all-to-all is the attention layers' only; the state exchange is one fp32 [M | B] per rank."""
-    from lightning_longctx.planner import _gdn_dims, _gdn_token_bytes
+    from lightning_longctx.planner.shapes import _gdn_dims
+    from lightning_longctx.planner.terms import _gdn_token_bytes
 
     P, n = 2, 1024
     hybrid = plan_memory(GDN_TINY, seq_len=n, sequence_parallel_size=P)

@@ -26,8 +26,9 @@ def test_script_has_every_line():
         "#SBATCH --nodes=4",
         "#SBATCH --ntasks-per-node=8",
         "#SBATCH --gres=gpu:8",
-        "#SBATCH --signal=SIGUSR1@90",
+        "#SBATCH --signal=SIGUSR1@600",
         "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
         "#SBATCH --time=2-00:00:00",
         "#SBATCH --partition=gpu",
         "#SBATCH --account=proj42",
@@ -35,12 +36,12 @@ def test_script_has_every_line():
     ):
         assert line in sb, line
     # the signal must reach the srun tasks, not only the batch shell
-    assert [line for line in sb if "--signal" in line] == ["#SBATCH --signal=SIGUSR1@90"]
+    assert [line for line in sb if "--signal" in line] == ["#SBATCH --signal=SIGUSR1@600"]
     assert "--signal=B:" not in text
     srun = [line for line in text.splitlines() if line.startswith("srun ")]
     assert srun == [
         "srun lightning-longctx fit --config configs/llama.yaml --trainer.num_nodes=4 "
-        "--trainer.devices=8 --trainer.max_steps=100"
+        "--trainer.devices=8 --ckpt_path auto --trainer.max_steps=100"
     ]
     # every #SBATCH line sits before the first command, or sbatch ignores it
     lines = text.splitlines()
@@ -72,7 +73,9 @@ def test_cli_writes_file(tmp_path, capsys):
     assert rc == 0
     text = out.read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --partition=p" in text
-    assert text.rstrip().endswith("--trainer.num_nodes=2 --trainer.devices=4 --trainer.max_steps=5")
+    assert text.rstrip().endswith(
+        "--trainer.num_nodes=2 --trainer.devices=4 --ckpt_path auto --trainer.max_steps=5"
+    )
     assert capsys.readouterr().out == ""
 
 
@@ -94,9 +97,44 @@ def test_cli_stdout_and_bad_input(capsys):
         (dict(time="tomorrow"), r"time='tomorrow'"),
         (dict(job_name="interactive"), r"job_name='interactive'.*choose another name"),
         (dict(partition="a b"), r"partition='a b'"),
+        (dict(signal_lead=0), r"signal_lead=0 must be whole seconds in 1\.\.65535"),
+        (dict(signal_lead=70000), r"signal_lead=70000 must be whole seconds"),
+        (dict(signal_lead=1.5), r"signal_lead=1\.5 must be whole seconds"),
+        (
+            dict(time="10", signal_lead=600),
+            r"signal_lead=600 s is not shorter than the time limit '10' \(600 s\)",
+        ),
     ],
 )
 def test_bad_inputs(kwargs, match):
     args = dict(nodes=1, gpus_per_node=1, config="c.yaml") | kwargs
     with pytest.raises(ValueError, match=match):
         write_sbatch(**args)
+
+
+def test_signal_lead_is_an_option_and_the_job_resumes_automatically(capsys):
+    """The lead time (one optimizer step plus one save) is the CLI's --signal-lead; every generated job runs
+    `fit --ckpt_path auto`, so a requeued job resumes from the run's newest committed checkpoint."""
+    assert main(["--nodes", "1", "--gpus-per-node", "2", "--config", "c.yaml", "--signal-lead", "1200"]) == 0
+    text = capsys.readouterr().out
+    assert "#SBATCH --signal=SIGUSR1@1200" in _sbatch_lines(text)
+    assert "# SIGUSR1 1200 s before the time limit" in text
+    assert {"#SBATCH --requeue", "#SBATCH --open-mode=append"} <= set(_sbatch_lines(text))
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert srun.endswith("--trainer.devices=2 --ckpt_path auto")
+    # a --ckpt_path of the user's own is kept, and not doubled
+    text = write_sbatch(nodes=1, gpus_per_node=1, config="c.yaml", extra_args=["--ckpt_path=run/x.ckpt"])
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert srun.count("--ckpt_path") == 1 and srun.endswith("--ckpt_path=run/x.ckpt")
+    assert main(["--nodes", "1", "--gpus-per-node", "2", "--config", "c.yaml", "--signal-lead", "0"]) == 2
+    assert "signal_lead=0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("time", "seconds"),
+    [("90", 5400), ("1:30", 90), ("2:00:00", 7200), ("1-0", 86400), ("1-2:3", 93780), ("1-2:3:4", 93784)],
+)
+def test_time_limit_seconds(time, seconds):
+    from lightning_longctx.slurm import time_limit_seconds
+
+    assert time_limit_seconds(time) == seconds

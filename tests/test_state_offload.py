@@ -18,11 +18,12 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from hf_models import HFModule, TokenDataset, reference_training, tiny_model
-from test_lora import MODES, _errors, _SeenPatched, lora_model
-from test_strategy import SEQ, _env_for_lightning
+from helpers.hf_models import HFModule, TokenDataset, reference_training, tiny_model
+from helpers.lightning import SEQ, lightning_env
+from helpers.lora import MODES, SeenPatched, lora_errors, lora_model
 
-from lightning_longctx import CausalLM, UlyssesFPDTStrategy
+from lightning_longctx import UlyssesFPDTStrategy
+from lightning_longctx.recipes import CausalLM
 
 CUDA = torch.cuda.is_available()
 STEPS = 3
@@ -91,7 +92,7 @@ class _Probe(L.Callback):
 def _fit_probe(sp, strategy_kwargs, *, adam=True, precision="32-true", steps=STEPS):
     """One Trainer fit of the tiny Llama (``_fit`` of test_strategy, plus the probe and AdamW): rank 0's
     full state dict (FSDP gathers it there), the losses and what the probe saw."""
-    _env_for_lightning()
+    lightning_env()
     world = dist.get_world_size()
     module = HFModule(tiny_model("llama"), dataset=TokenDataset(world // sp * steps, SEQ), adam=adam)
     probe = _Probe()
@@ -114,7 +115,7 @@ def _fit_probe(sp, strategy_kwargs, *, adam=True, precision="32-true", steps=STE
         enable_model_summary=False,
     )
     trainer.fit(module)
-    state = {k.removeprefix("model."): v for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    state = {k.removeprefix("model."): v for k, v in trainer.strategy.full_state_dict().items()}
     return state, module.losses, probe.seen
 
 
@@ -185,9 +186,9 @@ def test_cpu_offload_changes_no_parameter(dist_pool, world, sp, skw):
 
 def _fit_lora_offload(arch: str, mode: str):
     """``test_lora._fit_lora`` under data_parallel='fsdp' with cpu_offload, plus the probe."""
-    _env_for_lightning()
+    lightning_env()
     module = HFModule(lora_model(arch), dataset=TokenDataset(2, SEQ))
-    seen, probe = _SeenPatched(), _Probe()
+    seen, probe = SeenPatched(), _Probe()
     trainer = L.Trainer(
         strategy=UlyssesFPDTStrategy(
             sequence_parallel_size=2, data_parallel="fsdp", cpu_offload=True, **MODES[mode]
@@ -202,7 +203,7 @@ def _fit_lora_offload(arch: str, mode: str):
         enable_model_summary=False,
     )
     trainer.fit(module)
-    state = {k.removeprefix("model."): v for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    state = {k.removeprefix("model."): v for k, v in trainer.strategy.full_state_dict().items()}
     return (state, module.losses, seen.mode, seen.attention_calls), probe.seen
 
 
@@ -213,7 +214,9 @@ def test_lora_with_cpu_offload_trains_like_one_process(dist_pool):
     for _, seen in results:
         assert {p[:2] for p in seen["policies"]} == {("CPUOffloadPolicy", False)}
         assert {(t, d) for t, d, _ in seen["params"] | seen["grads"]} == {("DTensor", "cpu")}
-    errors = _errors("llama", [fit for fit, _ in results if fit[0]])  # FSDP: the full state on rank 0 only
+    errors = lora_errors(
+        "llama", [fit for fit, _ in results if fit[0]]
+    )  # FSDP: the full state on rank 0 only
     worst = max(errors, key=errors.get)
     assert errors[worst] < 1e-5, f"{worst}: relative error {errors[worst]:.2e}"
 
@@ -223,7 +226,7 @@ def _resume_with_offload(root):
     _resume): losses and final parameters, and where the restored optimizer state lives."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    _env_for_lightning()
+    lightning_env()
     data = TokenDataset(2, SEQ)  # two epochs of two steps; the checkpoint sits at the epoch boundary
 
     def fit(seed, steps, ckpt_path=None, callbacks=()):
@@ -235,7 +238,7 @@ def _resume_with_offload(root):
             enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
         trainer.fit(module, ckpt_path=ckpt_path)
-        return module.losses, trainer.strategy.lightning_module_state_dict(), probe.seen
+        return module.losses, trainer.strategy.full_state_dict(), probe.seen
 
     full_losses, full_state, _ = fit(0, 4)
     ckpt = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True)
@@ -379,7 +382,7 @@ def _fit_causal_lm(cpu_offload: bool):
     """CausalLM (AdamW, weight decay on matrices) for two steps on one rank: its parameters and optimizer kind."""
     from torch.utils.data import DataLoader
 
-    _env_for_lightning()
+    lightning_env()
     torch.manual_seed(0)
     config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "tie_word_embeddings": False}  # fmt: skip
@@ -392,7 +395,7 @@ def _fit_causal_lm(cpu_offload: bool):
         enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(model, train_dataloaders=DataLoader(TokenDataset(2, SEQ), batch_size=1))
-    state = {k.removeprefix("model."): v for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    state = {k.removeprefix("model."): v for k, v in trainer.strategy.full_state_dict().items()}
     return state, kind.foreach
 
 

@@ -2,88 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from hf_models import HFModule, TokenDataset, checkpointing_state, reference_training, tiny_model
+from helpers.hf_models import HFModule, TokenDataset, reference_training, tiny_model
+from helpers.lightning import SEQ, compare_to_reference, fit_hf, lightning_env
 
 from lightning_longctx import UlyssesFPDTStrategy
-from lightning_longctx.integrations.transformers import context_of
-
-SEQ = 24
-
-
-def _env_for_lightning() -> None:
-    # The pool already initialised the default group; Lightning sees LOCAL_RANK and does not launch.
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-
-
-def _fit(
-    arch, sp, steps, strategy_kwargs, model_kwargs, accumulate=1, batch_size=1, trainer_kwargs=None, seq=SEQ
-):
-    _env_for_lightning()
-    world = dist.get_world_size()
-    dp = world // sp
-    data = TokenDataset(dp * batch_size * steps * accumulate, seq)
-    module = HFModule(tiny_model(arch, **model_kwargs), batch_size=batch_size, dataset=data)
-    strategy = (
-        strategy_kwargs
-        if isinstance(strategy_kwargs, str)
-        else UlyssesFPDTStrategy(sequence_parallel_size=sp, **strategy_kwargs)
-    )
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=world,
-        max_steps=steps,
-        accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **(trainer_kwargs or {}),
-    )
-    checkpointing = checkpointing_state(module.model)
-    trainer.fit(module)
-    assert context_of(module.model) is None, "the strategy must hand the model back plain after fit"
-    assert checkpointing_state(module.model) == checkpointing, "checkpointing must be as it came, too"
-    # through the strategy: full tensors also when the parameters are FSDP2-sharded (a collective)
-    state = {k.removeprefix("model."): v for k, v in trainer.strategy.lightning_module_state_dict().items()}
-    return state, module.losses, trainer.strategy.sp_size
-
-
-def _compare(results, arch, sp, world, steps, model_kwargs, accumulate=1, batch_size=1, seq=SEQ, clip=None):
-    dp = world // sp
-    ref_model = tiny_model(arch, **model_kwargs)
-    data = TokenDataset(dp * batch_size * steps * accumulate, seq)
-    ref_losses = reference_training(
-        ref_model, data, dp=dp, batch_size=batch_size, steps=steps, accumulate=accumulate, clip=clip
-    )
-    ref_state = ref_model.state_dict()
-    init_state = tiny_model(arch, **model_kwargs).state_dict()
-    worst = 0.0
-    assert results[0][0], "rank 0 must hold the full state dict"
-    for state, _losses, got_sp in results:
-        assert got_sp == sp
-        if not state:  # FSDP: full state dicts are gathered on rank 0 only (CPU offload)
-            continue
-        for name, ref in ref_state.items():
-            moved = (ref - init_state[name]).abs().max().item()
-            err = (state[name] - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
-            assert moved > 0 or "bias" in name, f"{name} never changed: the test would prove nothing"
-            assert err < 1e-5, f"{name}: relative error {err:.2e}"
-            worst = max(worst, err)
-    rank0_losses = results[0][1]
-    if accumulate == 1 and dp == 1:
-        assert max(abs(a - b) for a, b in zip(rank0_losses, ref_losses)) < 1e-5
-    return worst
-
 
 CASES = {
     # name: (arch, world, sp, strategy kwargs, model kwargs, accumulate)
@@ -147,15 +73,15 @@ CASES = {
 def test_parameters_match_single_process(dist_pool, name):
     arch, world, sp, skw, mkw, acc = CASES[name]
     steps = 2
-    results = dist_pool(world).run(_fit, arch, sp, steps, skw, mkw, acc)
-    _compare(results, arch, sp, world, steps, mkw, accumulate=acc)
+    results = dist_pool(world).run(fit_hf, arch, sp, steps, skw, mkw, acc)
+    compare_to_reference(results, arch, sp, world, steps, mkw, accumulate=acc)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_not_divisible_is_padded_exactly(dist_pool, world):
     """23 tokens over 2 or 4 ranks, batch 2: padded at the end, loss and every parameter unchanged."""
-    results = dist_pool(world).run(_fit, "llama", world, 2, {}, {}, 1, 2, None, 23)
-    _compare(results, "llama", world, world, 2, {}, batch_size=2, seq=23)
+    results = dist_pool(world).run(fit_hf, "llama", world, 2, {}, {}, 1, 2, None, 23)
+    compare_to_reference(results, "llama", world, world, 2, {}, batch_size=2, seq=23)
 
 
 @pytest.mark.parametrize("fpdt", [False, True])
@@ -163,23 +89,23 @@ def test_gradient_clipping_matches(dist_pool, fpdt):
     """Clipping acts on the reduced (full) gradient: clip_grad_norm_ of a single-process loop."""
     skw = {"fpdt_chunk_size": 4} if fpdt else {}
     clip = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
-    results = dist_pool(2).run(_fit, "llama", 2, 2, skw, {}, 1, 1, clip)
-    _compare(results, "llama", 2, 2, 2, {}, clip=0.05)
+    results = dist_pool(2).run(fit_hf, "llama", 2, 2, skw, {}, 1, 1, clip)
+    compare_to_reference(results, "llama", 2, 2, 2, {}, clip=0.05)
 
 
 def test_sp1_single_process_matches(dist_pool):
-    results = dist_pool(1).run(_fit, "llama", 1, 2, {}, {})
-    _compare(results, "llama", 1, 1, 2, {})
+    results = dist_pool(1).run(fit_hf, "llama", 1, 2, {}, {})
+    compare_to_reference(results, "llama", 1, 1, 2, {})
 
 
 def test_registered_name_works(dist_pool):
-    results = dist_pool(2).run(_fit, "llama", 2, 2, "ulysses", {})
-    _compare(results, "llama", 2, 2, 2, {})
+    results = dist_pool(2).run(fit_hf, "llama", 2, 2, "ulysses", {})
+    compare_to_reference(results, "llama", 2, 2, 2, {})
 
 
 def _bad_sp():
     try:
-        _fit("llama", 3, 1, {}, {})
+        fit_hf("llama", 3, 1, {}, {})
     except ValueError as e:
         return str(e)
     return "NO ERROR"
@@ -235,7 +161,7 @@ def test_settings_are_written_once_and_seen_by_the_cli():
 
 
 def _fit_module(module, sp, steps=1, ckpt_path=None, data_parallel="ddp", **trainer_kwargs):
-    _env_for_lightning()
+    lightning_env()
     kwargs = dict(
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
     )
@@ -321,9 +247,7 @@ def _resume(root, data_parallel, adam):
     steps = 4
     data = TokenDataset(2, SEQ)  # two epochs of two steps; the checkpoint sits at the epoch boundary
     full = HFModule(tiny_model("llama"), dataset=data, adam=adam)
-    full_state = _fit_module(
-        full, 2, steps=steps, data_parallel=data_parallel
-    ).strategy.lightning_module_state_dict()
+    full_state = _fit_module(full, 2, steps=steps, data_parallel=data_parallel).strategy.full_state_dict()
 
     first = HFModule(tiny_model("llama"), dataset=data, adam=adam)
     ckpt = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True)
@@ -337,7 +261,7 @@ def _resume(root, data_parallel, adam):
         full.losses,
         first.losses + second.losses,
         full_state,
-        trainer.strategy.lightning_module_state_dict(),
+        trainer.strategy.full_state_dict(),
     )
 
 
@@ -353,7 +277,7 @@ def test_checkpoint_resume_continues_exactly(dist_pool, tmp_path, data_parallel,
 
 
 def test_exported_state_dict_loads_into_plain_hf_model(dist_pool):
-    results = dist_pool(2).run(_fit, "llama", 2, 2, {}, {})
+    results = dist_pool(2).run(fit_hf, "llama", 2, 2, {}, {})
     state = results[0][0]
     plain = tiny_model("llama", seed=7)
     plain.load_state_dict(state, strict=True)  # same keys: the swap never renamed a parameter
@@ -383,7 +307,7 @@ def _unsupported_precision():
     class FP8(Precision):
         precision = "transformer-engine"
 
-    _env_for_lightning()
+    lightning_env()
     trainer = L.Trainer(
         strategy=UlyssesFPDTStrategy(sequence_parallel_size=2),
         plugins=[FP8()],
@@ -436,3 +360,6 @@ def test_unknown_and_ignored_settings_are_refused():
     assert "gradient_as_bucket_view" not in fsdp._ddp_kwargs
     ddp = UlyssesFPDTStrategy(gradient_as_bucket_view=False, static_graph=True)
     assert ddp._ddp_kwargs == {"gradient_as_bucket_view": False, "static_graph": True}
+    # the ones the strategy sets itself, at their defaults, are not passed on (DDP would get them twice)
+    ddp = UlyssesFPDTStrategy(process_group=None, device_ids=None, output_device=None, device_mesh=None)
+    assert ddp._ddp_kwargs == {"gradient_as_bucket_view": True}

@@ -7,8 +7,8 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from hf_models import HFModule, TokenDataset, reference_training, tiny_model
-from test_strategy import SEQ, _env_for_lightning
+from helpers.hf_models import HFModule, TokenDataset, reference_training, tiny_model
+from helpers.lightning import SEQ, lightning_env
 
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.mesh import ParallelLayout
@@ -17,7 +17,7 @@ STEPS = 3  # optimizer steps: the first moves the weights, the next two run on m
 
 
 def _fit(arch, sp, tp, strategy_kwargs, model_kwargs, clip=None):
-    _env_for_lightning()
+    lightning_env()
     world = dist.get_world_size()
     dp = world // (sp * tp)
     module = HFModule(tiny_model(arch, **model_kwargs), dataset=TokenDataset(dp * STEPS, SEQ))
@@ -34,7 +34,7 @@ def _fit(arch, sp, tp, strategy_kwargs, model_kwargs, clip=None):
         weights["experts"] = layer.mlp.experts.gate_up_proj
     # FSDP2 over dp x sp, TP over tp: a 2-D DTensor; FSDP2 alone: a 1-D one
     sharded = {k: (w.device_mesh.mesh_dim_names, [str(p) for p in w.placements]) for k, w in weights.items()}
-    state = {k.removeprefix("model."): v for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    state = {k.removeprefix("model."): v for k, v in trainer.strategy.full_state_dict().items()}
     return (
         state,
         module.losses,
@@ -90,11 +90,11 @@ def test_tensor_parallel_matches_one_process(dist_pool, name):
     assert sizes == (tp, sp, dp)
     # q_proj's rows split over the TP group (column-wise), then sharded by FSDP2 over dp x sp; in FPDT mode the
     # lm_head's vocabulary rows too (the vocabulary-parallel chunked loss), under Ulysses it stays replicated
-    assert sharded["q_proj"][0] == ("dp_sp", "tp") and sharded["q_proj"][1][1] == "S(0)", sharded
+    assert sharded["q_proj"][0] == ("dp_sp", "tensor_parallel") and sharded["q_proj"][1][1] == "S(0)", sharded
     vocab_parallel = skw.get("fpdt_chunk_size") is not None and not mkw.get("tie_word_embeddings")
-    assert sharded["lm_head"][0] == (("dp_sp", "tp") if vocab_parallel else ("dp_sp",)), sharded
+    assert sharded["lm_head"][0] == (("dp_sp", "tensor_parallel") if vocab_parallel else ("dp_sp",)), sharded
     if "experts" in sharded:  # the packed gate/up of every expert split over tp
-        assert sharded["experts"] == (("dp_sp", "tp"), ["S(0)", "_S(1, 2)"]), sharded
+        assert sharded["experts"] == (("dp_sp", "tensor_parallel"), ["S(0)", "_S(1, 2)"]), sharded
     worst = 0.0
     for key, want in ref.state_dict().items():
         moved = (want - init[key]).abs().max().item()
@@ -178,25 +178,29 @@ def test_a_parameter_the_plan_misses_is_refused_before_the_first_update(dist_poo
     )
 
 
-def _round_trip() -> dict:
-    """Train at tp 2 x sp 2, then load a plain (one-device) full state dict back into the TP + FSDP2 model
-    through the strategy, and read it out again: the checkpoint format is the plain Hugging Face one."""
-    _env_for_lightning()
+def _round_trip(root: str) -> dict:
+    """Train at tp 2 x sp 2, then load a plain (one-device) full checkpoint file back into the TP + FSDP2 model
+    through the strategy, and read it out again: the full format is the plain Hugging Face one."""
+    lightning_env()
     module = HFModule(tiny_model("llama"), dataset=TokenDataset(1, SEQ))
     strategy = UlyssesFPDTStrategy(sequence_parallel_size=2, tensor_parallel_size=2, data_parallel="fsdp")
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     trainer.fit(module)
-    saved = trainer.strategy.lightning_module_state_dict()  # full, on rank 0
+    saved = trainer.strategy.full_state_dict()  # full, on rank 0
     other = {f"model.{k}": v for k, v in tiny_model("llama", seed=1).state_dict().items()}  # one device's
     want = {k: v.clone() for k, v in other.items()}  # torch's loader may turn the dict's values into shards
-    trainer.strategy.load_model_state_dict({"state_dict": other}, strict=True)
-    back = trainer.strategy.lightning_module_state_dict()
+    path = f"{root}/one_device.ckpt"
+    if dist.get_rank() == 0:
+        torch.save({"state_dict": other}, path)
+    dist.barrier()
+    trainer.strategy.load_checkpoint(path)
+    back = trainer.strategy.full_state_dict()
     return {"saved_keys": sorted(saved), "back": back, "other": want}
 
 
-def test_a_plain_checkpoint_loads_into_the_tp_model_and_back(dist_pool):
-    res = dist_pool(4).run(_round_trip)[0]
+def test_a_plain_checkpoint_loads_into_the_tp_model_and_back(dist_pool, tmp_path):
+    res = dist_pool(4).run(_round_trip, str(tmp_path))[0]
     plain = tiny_model("llama")
     assert res["saved_keys"] == sorted(
         f"model.{k}" for k in plain.state_dict()

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hf_models import HFModule, reference_training, tiny_config, tiny_model
-from test_strategy import _env_for_lightning
+from helpers.hf_models import HFModule, reference_training, tiny_config, tiny_model
+from helpers.lightning import lightning_env
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_longctx import UlyssesFPDTStrategy
@@ -87,7 +87,7 @@ class _StepLosses(L.Callback):
 
 
 def _fit(sp, steps, accumulate, strategy_kwargs, clip, empty, batch_size=1):
-    _env_for_lightning()
+    lightning_env()
     dp = dist.get_world_size() // sp
     data = SFTDataset(dp * batch_size * steps * accumulate, empty=empty)
     module = HFModule(tiny_model("llama"), lr=LR, batch_size=batch_size, dataset=data)
@@ -106,7 +106,7 @@ def _fit(sp, steps, accumulate, strategy_kwargs, clip, empty, batch_size=1):
         enable_model_summary=False,
     )
     trainer.fit(module)
-    state = {k.removeprefix("model."): v for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    state = {k.removeprefix("model."): v for k, v in trainer.strategy.full_state_dict().items()}
     return state, spy.losses
 
 
@@ -182,9 +182,9 @@ def test_micro_batch_switch_keeps_lightning_mean_and_differs_from_token_mean(dis
 
 
 def _fit_causal_lm(accumulate: int) -> dict:
-    from lightning_longctx.models import CausalLM
+    from lightning_longctx.recipes import CausalLM
 
-    _env_for_lightning()
+    lightning_env()
     cfg = tiny_config("llama").to_dict()
     config = {k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
     config.update(model_type="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
@@ -219,7 +219,7 @@ def _fit_causal_lm(accumulate: int) -> dict:
 def test_causal_lm_logs_the_token_weighted_step_loss_on_every_rank(dist_pool):
     """CausalLM under dp 2 x sp 2 (FPDT), accumulate 2: `train/loss` is the step's token mean, equal on
     every rank and equal to one device's loss on the global batch (AdamW, same hyper-parameters)."""
-    from lightning_longctx.models import CausalLM
+    from lightning_longctx.recipes import CausalLM
 
     results = dist_pool(4).run(_fit_causal_lm, 2)
     ref = CausalLM(model_config=results[0]["config"], lr=1e-2, eval_metric=False)
@@ -244,7 +244,7 @@ def _no_labels_message() -> str:
         def __getitem__(self, i):
             return {"input_ids": torch.arange(1, SEQ + 1) % 60}
 
-    _env_for_lightning()
+    lightning_env()
     trainer = L.Trainer(
         strategy=UlyssesFPDTStrategy(sequence_parallel_size=2),
         accelerator="cpu",

@@ -106,10 +106,12 @@ def build_model(args: argparse.Namespace, device: torch.device, max_len: int) ->
     enable_sequence_parallel(
         model, group=None, mode=args.mode, chunk_size=chunk, offload=args.offload, backend=backend
     )
-    if args.cpu_offload:  # the strategy's _setup_model for data_parallel="fsdp", cpu_offload=True, bf16-mixed
+    if args.cpu_offload:  # parallelize's last step for data_parallel="fsdp", cpu_offload=True, bf16-mixed
         from lightning_longctx.fsdp import FSDP2Sharding
+        from lightning_longctx.mesh import ParallelLayout, build_world_mesh
 
-        FSDP2Sharding(device.type, 1, cpu_offload=True).shard(model, param_dtype=torch.bfloat16)
+        mesh = build_world_mesh(ParallelLayout(world_size=1, sp=1), device.type)
+        FSDP2Sharding(mesh, cpu_offload=True).shard(model, param_dtype=torch.bfloat16)
     return model
 
 

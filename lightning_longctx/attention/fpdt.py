@@ -69,6 +69,7 @@ from lightning_longctx.attention.offload import ChunkStore
 from lightning_longctx.comm import (
     Group,
     PendingAllToAll,
+    SequenceParallelFunction,
     group_rank_size,
     head_to_seq_async,
     head_to_seq_packed_async,
@@ -474,7 +475,7 @@ def _accumulate(acc: torch.Tensor | None, rows: slice, full: int, x: torch.Tenso
     return acc
 
 
-class _FPDTAttention(torch.autograd.Function):
+class _FPDTAttention(SequenceParallelFunction):
     @staticmethod
     def forward(
         ctx: Any,

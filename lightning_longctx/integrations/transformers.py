@@ -35,7 +35,7 @@ from torch import nn
 from lightning_longctx.attention.fpdt import fpdt_attention
 from lightning_longctx.attention.ulysses import ulysses_attention
 from lightning_longctx.comm import Group, group_rank_size
-from lightning_longctx.config import MODES, ResolvedConfig, SequenceParallelConfig
+from lightning_longctx.config import MODES, Mode, ResolvedConfig, SequenceParallelConfig
 from lightning_longctx.integrations.context import SequenceParallelContext
 from lightning_longctx.integrations.hybrid import find_mixers, patch_mixers, unpatch_mixers
 from lightning_longctx.integrations.hybrid.base import halo_error, mixer_halo
@@ -345,7 +345,7 @@ def enable_sequence_parallel(
     model: nn.Module,
     *,
     group: Group = None,
-    mode: str = "ulysses",
+    mode: str | Mode = "ulysses",
     chunk_size: int | None = None,
     offload: bool = False,
     backend: str = "auto",
@@ -395,12 +395,12 @@ def enable_sequence_parallel(
             "Use a model that supports attn_implementation='sdpa'/'flex_attention' (Llama, Qwen2/3, Mistral, ...)"
         )
     halo = mixer_halo(mixers)
-    chunk = config.settings.fpdt_chunk_size if mode == "fpdt" else None
+    chunk = config.settings.fpdt_chunk_size if mode is Mode.FPDT else None
     if chunk is not None and chunk < halo:  # every FPDT chunk is a segment that needs its halo
         raise halo_error(name, halo, chunk)
     moe_plan = moe_aux_loss_plan(model)  # refuses an in-forward loss term it cannot compute over the group
     lm_head = None
-    if mode == "fpdt" and model.get_output_embeddings() is not None:
+    if mode is Mode.FPDT and model.get_output_embeddings() is not None:
         lm_head = read_chunked_head(model, name)  # refuses a logits transform it cannot reproduce
     ctx = SequenceParallelContext(
         group=group,
@@ -438,7 +438,7 @@ def enable_sequence_parallel(
     model.config.use_cache = False
     model.loss_function = functools.partial(_hf_loss, ctx)
     saved["mixers"] = patch_mixers(model, ctx, mixers)
-    if mode == "fpdt":
+    if mode is Mode.FPDT:
         from lightning_longctx.tiling import is_tiled, tile_mlp_
 
         # MoE blocks stay untiled when the model has a load-balancing loss: the tiled forward runs without
@@ -461,7 +461,7 @@ def enable_sequence_parallel(
 
 def _config_of(
     group: Group,
-    mode: str,
+    mode: str | Mode,
     chunk_size: int | None,
     offload: bool,
     backend: str,
@@ -472,11 +472,12 @@ def _config_of(
     sequence-parallel group (no data parallelism of its own)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is unknown; choose one of {MODES}")
-    if mode == "fpdt" and not chunk_size:
+    mode = Mode(mode)
+    if mode is Mode.FPDT and not chunk_size:
         raise ValueError("mode='fpdt' needs chunk_size (tokens per chunk per rank), e.g. chunk_size=4096")
     settings = SequenceParallelConfig(
-        fpdt_chunk_size=chunk_size if mode == "fpdt" else None,
-        offload=bool(offload) and mode == "fpdt",  # Ulysses keeps nothing to offload
+        fpdt_chunk_size=chunk_size if mode is Mode.FPDT else None,
+        offload=bool(offload) and mode is Mode.FPDT,  # Ulysses keeps nothing to offload
         attention_backend=backend,
         mlp_chunk_size=mlp_chunk_size,
         loss_chunk_size=loss_chunk_size,

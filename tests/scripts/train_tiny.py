@@ -1,11 +1,13 @@
 """A tiny sequence-parallel training run for the fault tests, launched by torchrun or a faked srun.
 
-Writes one JSON line per optimizer step (``step``, ``loss``) to ``{out}/losses_rank{R}.jsonl`` and
-checkpoints after every step (``{out}/ckpt/last.ckpt``); after fit rank 0 writes the model's final
-parameters (``{out}/final_params.pt``, the HF state-dict keys). ``--activation-offload`` also checkpoints
-the decoder layers with their inputs kept in host memory. ``--kill-at K`` SIGKILLs rank 1 when step K
-starts; ``--usr1-at K`` sends SIGUSR1 to every rank after step K (what SLURM does before the time
-limit) and then exits like a requeued job.
+Writes one JSON line per optimizer step (``step``, ``loss``) to ``{out}/losses_rank{R}.jsonl`` and a
+committed checkpoint after every step (``{out}/ckpt/step-<N>.ckpt``, the newest two kept); after fit rank 0
+writes the model's final parameters (``{out}/final_params.pt``, the HF state-dict keys).
+``--activation-offload`` also checkpoints the decoder layers with their inputs kept in host memory.
+``--kill-at K`` SIGKILLs rank 1 when step K starts. ``--signal-at K`` makes rank 1 alone send itself
+``--signal`` (SIGUSR1: what SLURM sends before the time limit) in the middle of step K, before its forward:
+the strategy's preemption handling then saves ``step-<K+1>`` on every rank, requeues on SLURM and exits.
+``--resume`` starts from the newest committed checkpoint under ``{out}`` (what ``--ckpt_path auto`` does).
 """
 
 from __future__ import annotations
@@ -18,20 +20,20 @@ import sys
 
 import lightning as L
 import torch
-import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from hf_models import HFModule, TokenDataset, tiny_model
+from helpers.hf_models import HFModule, TokenDataset, tiny_model
 
 from lightning_longctx import UlyssesFPDTStrategy
+from lightning_longctx.callbacks import PeriodicCheckpoint
+from lightning_longctx.checkpoint import latest_checkpoint
 from lightning_longctx.data import ResumableDataLoader
 
 
 class Module(HFModule):
-    def __init__(self, out: str, kill_at: int | None) -> None:
+    def __init__(self, out: str, kill_at: int | None, signal_at: int | None, sig: signal.Signals) -> None:
         super().__init__(tiny_model("llama"), lr=0.2, dataset=TokenDataset(8, 24))
-        self.out, self.kill_at = out, kill_at
+        self.out, self.kill_at, self.signal_at, self.sig = out, kill_at, signal_at, sig
 
     def train_dataloader(self):
         return ResumableDataLoader(self.dataset, batch_size=1, shuffle=True)
@@ -39,21 +41,12 @@ class Module(HFModule):
     def training_step(self, batch, batch_idx):
         if self.kill_at is not None and self.global_step == self.kill_at and self.global_rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.signal_at is not None and self.global_step == self.signal_at and self.global_rank == 1:
+            os.kill(os.getpid(), self.sig)  # mid-step, one rank only: its handler only records it
         loss = super().training_step(batch, batch_idx)
         with open(os.path.join(self.out, f"losses_rank{self.global_rank}.jsonl"), "a") as f:
             f.write(json.dumps({"step": self.global_step, "loss": loss.item()}) + "\n")
         return loss
-
-
-class SendUsr1(L.Callback):
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.at:
-            os.kill(os.getpid(), signal.SIGUSR1)  # Lightning's SLURM handler: checkpoint + scontrol requeue
-            dist.barrier()
-            os._exit(0)  # SLURM would now end the job and requeue it
 
 
 def main() -> None:
@@ -61,16 +54,13 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--kill-at", type=int)
-    p.add_argument("--usr1-at", type=int)
+    p.add_argument("--signal-at", type=int)
+    p.add_argument("--signal", default="SIGUSR1", choices=["SIGUSR1", "SIGTERM"])
     p.add_argument("--resume", action="store_true")
     p.add_argument("--activation-offload", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
-    callbacks = [
-        ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt"), every_n_train_steps=1, save_last=True)
-    ]
-    if args.usr1_at is not None:
-        callbacks.append(SendUsr1(args.usr1_at))
+    callbacks = [PeriodicCheckpoint(dirpath=os.path.join(args.out, "ckpt"), every_n_train_steps=1)]
     trainer = L.Trainer(
         strategy=UlyssesFPDTStrategy(
             sequence_parallel_size=2,
@@ -88,8 +78,12 @@ def main() -> None:
         default_root_dir=args.out,
         callbacks=callbacks,
     )
-    module = Module(args.out, args.kill_at)
-    trainer.fit(module, ckpt_path="last" if args.resume else None)
+    module = Module(args.out, args.kill_at, args.signal_at, signal.Signals[args.signal])
+    resume = latest_checkpoint(args.out) if args.resume else None
+    if args.resume and resume is None:
+        raise SystemExit(f"--resume: no committed checkpoint under {args.out}")
+    # a preemption ends fit with Preempted (a SystemExit, status 0) on every rank, after the save
+    trainer.fit(module, ckpt_path=resume)
     if trainer.global_rank == 0:  # the strategy hands the model back plain: HF state-dict keys
         torch.save(
             {name: tensor.detach().clone() for name, tensor in module.model.state_dict().items()},

@@ -8,6 +8,11 @@ the model's attention and loss are already swapped; on one device the same step 
 The model is built in :meth:`CausalLM.configure_model`, inside the strategy's tensor-init
 context (right device and dtype from the start; no fp32 copy of an 8B model in host memory).
 ``CausalLM.load_from_checkpoint`` calls ``configure_model`` before loading the weights.
+
+A recipe: it uses only the core's public pieces (the strategy's ``sp_group``, ``step_loss`` and
+``loss_is_token_mean``, :func:`~lightning_longctx.sequence_parallel_cross_entropy`,
+:func:`~lightning_longctx.enable_activation_checkpointing`, ``shift_labels`` and ``IGNORE_INDEX`` of
+:mod:`lightning_longctx.sharding`) and the recall task's accuracy.
 """
 
 from __future__ import annotations
@@ -21,9 +26,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_longctx.data import RecallAccuracy
-from lightning_longctx.integrations.transformers import enable_activation_checkpointing
-from lightning_longctx.loss import sequence_parallel_cross_entropy
+from lightning_longctx import enable_activation_checkpointing, sequence_parallel_cross_entropy
+from lightning_longctx.recipes.recall import RecallAccuracy
 from lightning_longctx.sharding import IGNORE_INDEX, shift_labels
 
 __all__ = ["CausalLM", "warmup_cosine"]

@@ -1,0 +1,546 @@
+"""The memory terms: one small function per memory component, each a :class:`_Term` of a :class:`_Layout`.
+
+Rows in table order are ``_ORDER``; when each term is alive is the phase table's (``phases.py``). Notation as
+in the package docstring: ``t`` local tokens, ``w`` / ``pw`` / ``m`` / ``r`` master-parameter / compute-
+parameter / matmul / residual bytes. The recurrent mixers' per-token formulas (:func:`_gdn_token_bytes`,
+:func:`_mamba2_token_bytes`) are checked against autograd's saved tensors in tests/test_planner.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_longctx.planner.layout import _Layout
+from lightning_longctx.planner.shapes import (
+    _LLAMA_BLOCK,
+    ATTENTION,
+    GATED_DELTANET,
+    MAMBA2,
+    _Block,
+    _GDNDims,
+    _Mamba2Dims,
+)
+
+# Components in table order. Resident ones are allocated for the whole step; the others are
+# working sets of some phases only.
+_ORDER = (
+    "weights",
+    "gradients",
+    "optimizer state",
+    "DDP gradient buckets",
+    "FSDP unsharded params/grads",
+    "autocast weight copies",
+    "activations kept for backward",
+    "loss working set",
+    "attention working set",
+    "MLP working set",
+    "all-to-all buffers",
+    "state exchange buffers",
+    "layer recompute (checkpointing)",
+)
+
+# Each term returns the bytes it holds on one device and on its host while it is alive, and the table row
+# (one of ``_ORDER``) it adds to. A row's note is its terms' notes, in phase-table order, joined by "; ": a
+# term folded into a row that another term describes (a backward variant, a small extra) leaves it empty.
+# A term that does not apply to the settings returns zero bytes and no note.
+
+_ACTS, _RECOMPUTE = "activations kept for backward", "layer recompute (checkpointing)"
+
+
+@dataclass(frozen=True)
+class _Term:
+    """One memory component: bytes on one device and on its host, the table row it adds to, and a note."""
+
+    row: str
+    device: int
+    host: int = 0
+    note: str = ""
+
+
+def _placed(lay: _Layout, row: str, nbytes: int, note: str = "") -> _Term:
+    """A model-state term: on the device, or on the host with ``cpu_offload``."""
+    return _Term(row, 0, nbytes, note) if lay.cpu_offload else _Term(row, nbytes, 0, note)
+
+
+# ---- parameters, gradients, optimizer ----
+
+
+def _weights(lay: _Layout) -> _Term:
+    n = lay.local_params + lay.lora
+    note = f"{n:,} params" + (f" of {lay.shape.params:,} (tp {lay.tp})" if lay.tp > 1 else "")
+    note += f" x {lay.w} B" + (f" / {lay.shard} (FSDP)" if lay.shard > 1 else "")
+    note += f", {lay.lora:,} of them LoRA's" if lay.lora else ""
+    return _placed(lay, "weights", lay.weight_bytes, note + (" (cpu_offload)" if lay.cpu_offload else ""))
+
+
+def _sharded_gradients(lay: _Layout) -> _Term:
+    """FSDP's sharded gradients (in the master weights' dtype: the MixedPrecisionPolicy reduces in fp32).
+    DDP's gradients are views into its buckets (``gradient_as_bucket_view``)."""
+    if lay.data_parallel == "ddp":
+        return _Term("gradients", 0)
+    note = "FSDP's sharded gradients, freed between forward and backward (Lightning's zero_grad)"
+    return _placed(lay, "gradients", lay.grad_bytes, note)
+
+
+def _optimizer_state(lay: _Layout) -> _Term:
+    """torch.optim keeps its states in the parameter dtype (Lightning's bf16-mixed: fp32 weights, no master
+    copy), for the trainable parameters only (LoRA: the adapters)."""
+    note = f"{lay.optimizer}: {lay.states} x trainable params x {lay.w} B" + (
+        " + foreach temporary" if lay.states else ""
+    )
+    return _placed(lay, "optimizer state", lay.states * lay.grad_bytes, note)
+
+
+def _optimizer_step_temporary(lay: _Layout) -> _Term:
+    """foreach AdamW: one temporary per state (sqrt of exp_avg_sq) during the step (noted with the state); on
+    the host with ``cpu_offload``, where the step runs."""
+    return _placed(lay, "optimizer state", lay.states * lay.grad_bytes // 2 if lay.states else 0)
+
+
+def _ddp_gradient_buckets(lay: _Layout) -> _Term:
+    """DDP's all-reduce buckets of the trainable parameters, allocated for the whole run (the strategy wraps
+    in DDP even on one rank)."""
+    if lay.data_parallel != "ddp":
+        return _Term("DDP gradient buckets", 0)
+    note = "the gradients, as views into DDP's buckets (gradient_as_bucket_view=True)"
+    return _Term("DDP gradient buckets", lay.trainable * lay.w, note=note)
+
+
+def _fsdp_root_params(lay: _Layout) -> _Term:
+    """FSDP's root (embedding, head, final norm) stays unsharded for the step (``reshard_after_forward=False``),
+    in the compute dtype (the MixedPrecisionPolicy all-gathers bf16); with tp its TP-local part."""
+    if lay.data_parallel != "fsdp":
+        return _Term("FSDP unsharded params/grads", 0)
+    return _Term("FSDP unsharded params/grads", lay.root_local * lay.pw, note="root params")
+
+
+def _fsdp_blocks_in_flight(lay: _Layout) -> _Term:
+    """Two unsharded transformer blocks: the one running and the one prefetched (TP-local with tp)."""
+    if lay.data_parallel != "fsdp":
+        return _Term("FSDP unsharded params/grads", 0)
+    block = lay.block_local + lay.lora_block
+    return _Term("FSDP unsharded params/grads", 2 * block * lay.pw, note="2 blocks in flight")
+
+
+def _fsdp_block_gradients(lay: _Layout) -> _Term:
+    """One block's unsharded gradients and their reduce-scatter input (a flat copy, in fp32 under the
+    MixedPrecisionPolicy), and the root's unsharded gradients (trainable parameters only)."""
+    if lay.data_parallel != "fsdp":
+        return _Term("FSDP unsharded params/grads", 0)
+    block, root = (lay.lora_block, 0) if lay.lora else (lay.block_local, lay.root_local)
+    reduce_bytes = 4 if lay.mp_policy else lay.w  # the policy's reduce_dtype: fp32
+    nbytes = block * (lay.pw + reduce_bytes) + root * lay.pw
+    return _Term("FSDP unsharded params/grads", nbytes, note="block + root grads in backward")
+
+
+def _autocast_weight_copies(lay: _Layout) -> _Term:
+    """The low-precision weight casts linear saves for backward; FPDT's tiled MLP and chunked loss cast per
+    chunk instead (their working sets count those)."""
+    if not lay.casting:
+        return _Term("autocast weight copies", 0)
+    cast_params = lay.matmul_local - (lay.mlp_layers * lay.mlp_weights + lay.head_local if lay.fpdt else 0)
+    return _Term("autocast weight copies", cast_params * lay.m,
+                 note=f"{lay.m}-byte casts of the weights linear keeps for backward")  # fmt: skip
+
+
+# ---- activations kept for backward ----
+
+
+def _attention_store_bytes(lay: _Layout) -> int:
+    """One layer's attention tensors in head layout: q, out, k, v and the log-sum-exp (FPDT: every chunk's,
+    in host memory with offload). FPDT's blocks run in the autocast dtype, the lse too; else it is fp32."""
+    lse = lay.m if (lay.autocast and lay.fpdt) else max(4, lay.m)
+    return 2 * lay.q_elems * lay.qa + lay.kv_elems * (lay.qa + lay.m) + lay.bn * lay.heads_per_rank * lse
+
+
+def _norm_bytes(lay: _Layout) -> int:
+    """What one RMSNorm keeps for backward: Hugging Face's keeps its fp32 input and the normalised copy;
+    FPDT tiles it (``enable_sequence_parallel``): only its input, in the residual dtype."""
+    return (lay.r if lay.fpdt else 4 + lay.r) * lay.shape.d * lay.t
+
+
+def _gdn_token_bytes(g: _GDNDims, m: int, pw: int, casting: bool, adapter: bool) -> float:
+    """Bytes a gated DeltaNet mixer saves for backward per token, after its input (the projections' inputs are
+    the layer's), with HF's torch fallback ``torch_chunk_gated_delta_rule`` (measured: tests/test_planner.py).
+
+    ``adapter``: under this package's state passing (``hybrid/delta_rule.py``) the kernel runs on values
+    ``[v | 0_dk]`` (``dv + dk`` wide) and the correction keeps ``R`` in fp32. The kernel works in fp32: the
+    q/k/v copies and their normalised, scaled, decayed and chunked forms, the ``(c x c)`` intra-chunk matrices
+    per head (pairwise decays, ``k_beta kᵀ``, ``q kᵀ``, the UT system, the masked attention; autocast runs
+    ``k_beta kᵀ``/``q kᵀ`` and re-casts the attention per chunk in bf16) and the state after every chunk its
+    sequential loop keeps."""
+    h, dk, c = g.heads, g.dk, g.chunk
+    dv = g.dv + (dk if adapter else 0)
+    k = m if casting else 4  # the dtype of the kernel's matmul products and operand copies
+    conv = 2 * g.conv_dim * m  # in_proj_qkv's output (the conv's input) and the conv's output (silu's input)
+    gates = h * m + 8 * h * 4  # beta; fp32 decay g, softplus, l2norm rsqrts, cumulative decays
+    copies = 4 * h * (10 * dk + 3 * dv)  # fp32 q/k forms (10 of d_k), v, the UT-solved values, v_new
+    chunk_mats = h * c * (3 * 4 + 2 * k + (m if casting else 0))  # (c x c) per head per chunk
+    states = 4 * h * dk * dv / c  # one (dk, dv') state per chunk
+    norm = h * g.dv * (3 * 4 + m + pw) + 4 * h  # the gated RMSNorm (fp32 in, normed, silu(z)), out_proj input
+    out_proj = h * g.dv * m
+    correction = 4 * h * dk if adapter else 0
+    return conv + gates + copies + chunk_mats + states + norm + out_proj + correction
+
+
+def _mamba2_token_bytes(s: _Mamba2Dims, m: int, casting: bool, adapter: bool) -> float:
+    """Bytes a Mamba-2 mixer saves for backward per token, after its input, with HF's torch fallback
+    ``mamba2_chunk_scan`` (measured: tests/test_planner.py).
+
+    The SSD works in fp32: x, B and C (repeated to every head) and their einsum operand copies, the ``(c x c)``
+    per-head matrices ``L = exp(segsum)``, ``G = C Bᵀ`` and ``M = G L`` (autocast: the einsums' in bf16), and
+    the chunk states. ``adapter``: this package's closed-form entry-state correction (``hybrid/mamba2.py``)
+    keeps the fp32 read-out ``S_in C_t``, C and the decays."""
+    h, p, n, c, inner = s.heads, s.head_dim, s.state, s.chunk, s.inner
+    k = m if casting else 4
+    # the conv's input (in_proj's whole output, or autocast's copy of its x, B, C) and output
+    conv = (s.conv_dim if casting else 2 * inner + 2 * s.groups * n + h) * m + s.conv_dim * m
+    x = (s.conv_dim * 4 if m == 4 else inner * 4 + h * 4) + inner * 4  # fp32 x (B, C) and its padded D copy
+    dt = 2 * h * m + h * 4 + 2 * h * 4  # dt + bias, softplus; fp32 dt; the exp decays
+    chunk_mats = h * c * (4 + 2 * k)
+    heads_state = h * n * (4 + 4 * k)  # B and C repeated to the heads, and their einsum copies
+    heads_dim = 3 * inner * k  # x * dt's einsum copies, the off-diagonal output
+    states = 2 * h * p * n * k / c
+    norm = 4 * inner * 4 + (inner * 4 if m != 4 else 0) + 4 * s.groups  # gated RMSNorm, fp32
+    out_proj = inner * m
+    correction = inner * 4 + 2 * s.groups * n * 4 + 4 * h * 4 if adapter else 0
+    return conv + x + dt + chunk_mats + heads_state + heads_dim + states + norm + out_proj + correction
+
+
+def _mixer_bytes(lay: _Layout, kind: str) -> int:
+    """One mixer's saved tensors after its layer's input norm: attention's q/k/v projections' inputs
+    (autocast casts the normed input once per projection), its store and o_proj input; a recurrent mixer's
+    projections' inputs and its tensors (the package's adapters run: ``adapter=True``)."""
+    s, t = lay.shape, lay.t
+    if kind == ATTENTION:
+        qkv_in = (3 if lay.casting else 1) * s.d * lay.m * t
+        return qkv_in + _attention_store_bytes(lay) + _attention_o_proj_bytes(lay)
+    if kind == GATED_DELTANET and s.gdn is not None:  # in_proj_qkv, z, b, a read the normed input
+        per_token = _gdn_token_bytes(s.gdn, lay.m, lay.pw, lay.casting, adapter=True)
+        return int((4 if lay.casting else 1) * s.d * lay.m * t + per_token * t)
+    if kind == MAMBA2 and s.mamba2 is not None:
+        per_token = _mamba2_token_bytes(s.mamba2, lay.m, lay.casting, adapter=True)
+        return int(s.d * lay.m * t + per_token * t)
+    raise AssertionError(f"no layer kind {kind!r}")  # _blocks_of refuses unknown kinds
+
+
+def _layer_attention_bytes(lay: _Layout, block: _Block = _LLAMA_BLOCK) -> int:
+    """One layer's saved tensors up to its MLP: the first RMSNorm's and its mixers' (:func:`_mixer_bytes`)."""
+    if not block.mixers:
+        return 0
+    return _norm_bytes(lay) + sum(_mixer_bytes(lay, kind) for kind in block.mixers)
+
+
+def _layer_mlp_bytes(lay: _Layout, block: _Block = _LLAMA_BLOCK) -> int:
+    """One layer's saved tensors from its second RMSNorm on: the norm, the MLP's input(s) and its gate, act,
+    up, act*up (their TP-local columns with tp; FPDT's tiled MLP keeps only its input and recomputes the
+    rest). None for a block without an MLP (Mamba-2's)."""
+    if not block.mlp:
+        return 0
+    s, t = lay.shape, lay.t
+    norm = _norm_bytes(lay)
+    if lay.fpdt:
+        return norm + s.d * lay.r * t
+    copies = (2 if s.gated else 1) if lay.casting else 1
+    return norm + copies * s.d * lay.m * t + (4 if s.gated else 2) * lay.inter_tp * lay.m * t
+
+
+def _offloaded_bytes(lay: _Layout, block: _Block) -> int:
+    """FPDT offload: the attention chunks of a layer with attention are in host memory."""
+    return _attention_store_bytes(lay) if lay.offload and ATTENTION in block.mixers else 0
+
+
+def _layer_device_bytes(lay: _Layout, block: _Block = _LLAMA_BLOCK) -> int:
+    """One layer's saved tensors on the device (FPDT's offloaded chunks are on the host)."""
+    return _layer_attention_bytes(lay, block) + _layer_mlp_bytes(lay, block) - _offloaded_bytes(lay, block)
+
+
+def _saved_activations(lay: _Layout) -> _Term:
+    """Without checkpointing: every layer's saved tensors but the last one's (see the next two terms)."""
+    if lay.checkpointing:
+        return _Term(_ACTS, 0)
+    note = "per layer: norms, q/k/v/out/lse, projections" + (", MLP" if not lay.fpdt else "")
+    kinds = sorted({kind for b in lay.blocks for kind in b.mixers} - {ATTENTION})
+    if kinds:
+        note += f"; {', '.join(kinds)} layers: projections, conv, fp32 chunk matrices and states"
+    return _Term(_ACTS, sum(_layer_device_bytes(lay, b) for b in lay.blocks[:-1]), note=note)
+
+
+def _attention_o_proj_bytes(lay: _Layout) -> int:
+    """The o_proj's saved input (the attention output in sequence layout, this TP rank's heads)."""
+    return lay.heads_tp * lay.shape.head_dim * lay.m * lay.t
+
+
+def _o_proj_input_bytes(lay: _Layout, block: _Block = _LLAMA_BLOCK) -> int:
+    """A layer's attention o_proj input: freed by the o_proj's backward, before the attention's backward runs
+    (a recurrent mixer's out_proj input is counted with the mixer)."""
+    return _attention_o_proj_bytes(lay) if ATTENTION in block.mixers else 0
+
+
+def _last_layer_attention_activations(lay: _Layout) -> _Term:
+    """Without checkpointing: the last layer's saved tensors up to its MLP (on the device), but its o_proj
+    input (:func:`_last_layer_o_proj_input`)."""
+    if lay.checkpointing:
+        return _Term(_ACTS, 0)
+    last = lay.blocks[-1]
+    return _Term(
+        _ACTS, _layer_device_bytes(lay, last) - _layer_mlp_bytes(lay, last) - _o_proj_input_bytes(lay, last)
+    )
+
+
+def _last_layer_o_proj_input(lay: _Layout) -> _Term:
+    """Without checkpointing: the last layer's o_proj input, alive until the layer's attention backward."""
+    return _Term(_ACTS, 0 if lay.checkpointing else _o_proj_input_bytes(lay, lay.blocks[-1]))
+
+
+def _last_layer_mlp_activations(lay: _Layout) -> _Term:
+    """Without checkpointing: the last layer's MLP tensors. They do not exist yet while its attention runs
+    forward, and are freed when its attention runs backward."""
+    return _Term(_ACTS, 0 if lay.checkpointing else _layer_mlp_bytes(lay, lay.blocks[-1]))
+
+
+def _checkpointed_inputs(lay: _Layout) -> _Term:
+    """With checkpointing: each layer's input ``(b, N/P, d)`` on the device (on the host with activation
+    offload: :func:`_activation_offload_store`)."""
+    if not lay.checkpointing:
+        return _Term(_ACTS, 0)
+    inputs = 0 if lay.activation_offload else lay.shape.layers * lay.shape.d * lay.r * lay.t
+    return _Term(_ACTS, inputs, note="layer inputs (checkpointed)")
+
+
+def _model_inputs(lay: _Layout) -> _Term:
+    """The batch's int64 ids (input_ids, labels, shift_labels, position_ids) and the RoPE cos/sin tables."""
+    return _Term(_ACTS, 4 * 8 * lay.t + 2 * lay.shape.head_dim * lay.r * lay.t)
+
+
+def _final_norm_and_head_input(lay: _Layout) -> _Term:
+    """The final RMSNorm's saved tensors and the head's input (FPDT's chunked loss: hidden states + lse;
+    Hugging Face: lm_head's matmul-dtype input); freed in the loss backward."""
+    s, t = lay.shape, lay.t
+    head_in = s.d * lay.r * t + 4 * t if lay.fpdt else s.d * lay.m * t
+    return _Term(_ACTS, _norm_bytes(lay) + head_in)
+
+
+def _running_layer_input(lay: _Layout) -> _Term:
+    """Activation offload: the running layer's input stays on the device while it runs forward."""
+    return _Term(_ACTS, lay.shape.d * lay.r * lay.t if lay.activation_offload else 0)
+
+
+def _prefetched_layer_inputs(lay: _Layout) -> _Term:
+    """Activation offload, backward: the recomputed layer's input and the one prefetched for the layer
+    before it."""
+    if not lay.activation_offload:
+        return _Term(_ACTS, 0)
+    return _Term(_ACTS, min(2, lay.shape.layers) * lay.shape.d * lay.r * lay.t)
+
+
+def _fpdt_chunk_store(lay: _Layout) -> _Term:
+    """FPDT offload without checkpointing: every layer's attention chunks in host memory (saved tensors of
+    its autograd node). With checkpointing the checkpoint drops them after each layer's forward: see
+    :func:`_running_layer_chunk_store` and the recomputed layer's."""
+    if not lay.offload or lay.checkpointing:
+        return _Term(_ACTS, 0)
+    host = lay.attention_layers * _attention_store_bytes(lay)
+    return _Term(_ACTS, 0, host, note="host: FPDT chunks (offload)")
+
+
+def _running_layer_chunk_store(lay: _Layout) -> _Term:
+    """FPDT offload with checkpointing: the running layer's chunks, on the host until its forward ends."""
+    if not (lay.offload and lay.checkpointing and lay.attention_layers):
+        return _Term(_ACTS, 0)
+    return _Term(_ACTS, 0, _attention_store_bytes(lay), note="host: one layer's FPDT chunks (offload)")
+
+
+def _activation_offload_store(lay: _Layout) -> _Term:
+    """Activation offload: every layer's checkpointed input in host memory."""
+    if not lay.activation_offload:
+        return _Term(_ACTS, 0)
+    inputs = lay.shape.layers * lay.shape.d * lay.r * lay.t
+    return _Term(_ACTS, 0, inputs, note="host: the layer inputs (activation offload)")
+
+
+# ---- the loss ----
+
+
+def _loss_forward(lay: _Layout) -> _Term:
+    """FPDT's chunked lm_head + loss: one logits block (+ its matmul-dtype original) and logsumexp's exp, the
+    head's per-chunk cast. Hugging Face: the whole logits (+ their fp32 copy) and the log-softmax. (The
+    row's note is the backward's.)"""
+    s, ct = lay.shape, lay.ct
+    if lay.fpdt:  # vocabulary parallel: (chunk, V / tp) blocks of this rank's rows
+        low = lay.m if lay.m != ct else 0  # autocast: the matmul-dtype logits beside the fp32 block
+        return _Term("loss working set", min(lay.loss_chunk, lay.t) * lay.vocab_local * (ct + low)
+                     + lay.head_local * lay.chunk_casts)  # fmt: skip
+    return _Term("loss working set", lay.t * s.vocab * (lay.m + ct + (ct if lay.m != ct else 0)))
+
+
+def _loss_backward(lay: _Layout) -> _Term:
+    """FPDT: the recomputed block, exp, softmax - onehot, where(), * grad (two fp32 blocks with a soft-cap),
+    the head's fp32 gradient accumulator and the hidden states' gradient. Vocabulary parallel: blocks and
+    accumulator of this rank's ``V / tp`` rows; the hidden states' gradient is summed over the tp ranks in
+    fp32, and cast back to the hidden dtype once the last block is freed. Hugging Face: the log-softmax, its
+    gradient and the logits' gradient (``12 * t * V`` bytes in fp32)."""
+    s, ct, m = lay.shape, lay.ct, lay.m
+    if lay.fpdt:
+        lc, v = min(lay.loss_chunk, lay.t), lay.vocab_local
+        low = m if m != ct else 0  # autocast: the matmul-dtype gradient beside the fp32 block
+        blocks = lc * v * ((2 if s.softcap else 1) * ct + low)
+        grad_h = s.d * lay.t * (max(lay.r, 4) if lay.vocab_parallel else lay.r)
+        cast_back = s.d * lay.t * lay.r if lay.vocab_parallel and lay.r < 4 else 0
+        nbytes = max(blocks, cast_back) + lay.head_local * (ct + lay.chunk_casts + low) + grad_h
+        note = f"chunked lm_head + loss: ({lc:,} x {v:,}) blocks"
+        return _Term(
+            "loss working set", nbytes, note=note + (" (vocabulary parallel)" if lay.vocab_parallel else "")
+        )
+    return _Term("loss working set", 3 * ct * lay.t * s.vocab,
+                 note=f"logits ({lay.t:,} x {s.vocab:,}) fp32: log-softmax + gradients")  # fmt: skip
+
+
+# ---- one layer's working sets ----
+
+
+def _fpdt_score_tile_bytes(lay: _Layout) -> int:
+    """One math score tile ``(b, H/P, tile, tile)`` in the blocks' dtype and its boolean mask."""
+    b, tile = lay.b, lay.tile
+    return b * lay.heads_per_rank * tile * tile * (lay.m if lay.autocast else lay.ct) + b * tile * tile
+
+
+def _residual_gradient_bytes(lay: _Layout) -> int:
+    """The residual stream's gradient in backward (Hugging Face's norm backward runs in fp32; FPDT's tiled
+    norm in fp32 per chunk only)."""
+    return lay.shape.d * (lay.r if lay.fpdt else max(lay.r, 4)) * lay.t
+
+
+def _attention_forward(lay: _Layout) -> _Term:
+    """FPDT: the outputs gathered so far, one segment (q, its fp32 accumulator and merge, the next q and kv
+    in flight), a score tile and, with offload, the double-buffered kv prefetch (2 fetched k, v steps).
+    Ulysses: none (the kernel's out and lse are kept activations; O(1) workspace). (Noted with the
+    backward.)"""
+    if not lay.fpdt or not lay.attention_layers:
+        return _Term("attention working set", 0)
+    qa, hd, seg_kv = lay.qa, lay.shape.head_dim, lay.segment * lay.kv_per_rank * lay.shape.head_dim
+    seg_q = lay.segment * lay.heads_per_rank * hd
+    ahead = seg_q * qa + 2 * seg_kv * qa
+    kv_buffer = 4 * seg_kv * qa if lay.offload else 0
+    nbytes = lay.q_elems * qa + seg_q * (qa + 8) + ahead + _fpdt_score_tile_bytes(lay) + kv_buffer
+    return _Term("attention working set", nbytes)
+
+
+def _attention_backward(lay: _Layout) -> _Term:
+    """FPDT: the output's gradient throughout; early: every segment's dout and fp32 dq accumulator (the first
+    kv segment reaches all q segments), two score tiles and, with offload, the chunks fetched back from the
+    host; late: dq/dk/dv of every chunk and their concatenation. Ulysses: the output's gradient in both
+    layouts, dq/dk/dv in head layout and back in sequence layout. Both: the residual stream's gradient."""
+    qa, m, q, kv = lay.qa, lay.m, lay.q_elems, lay.kv_elems
+    if not lay.attention_layers:  # attention-free (Mamba-2): the residual stream's gradient only
+        return _Term(
+            "attention working set", _residual_gradient_bytes(lay), note="residual gradient (no attention)"
+        )
+    if lay.fpdt:
+        seg_q = lay.segment * lay.heads_per_rank * lay.shape.head_dim
+        seg_kv = lay.segment * lay.kv_per_rank * lay.shape.head_dim
+        host_fetch = 2 * (seg_q * (qa + qa) + lay.segment * lay.heads_per_rank * 4 + 2 * seg_kv * qa)
+        early = q * qa + lay.bn * lay.heads_per_rank * 4 + q * lay.ct + 2 * _fpdt_score_tile_bytes(lay)
+        early += host_fetch if lay.offload else 0
+        grads = q * qa + 2 * kv * qa  # dq, dk, dv, all chunks (and their concatenation)
+        nbytes = q * qa + max(early, 2 * grads)
+        note = (f"one segment of {lay.segment // lay.b:,} tokens, {lay.tile}x{lay.tile} score tile, "
+                "dq/dk/dv")  # fmt: skip
+    else:
+        nbytes = 2 * q * m + 2 * (q + 2 * kv) * m
+        note = "dq/dk/dv and their all-to-all copies"
+    return _Term("attention working set", nbytes + _residual_gradient_bytes(lay), note=note)
+
+
+def _all_to_all_buffers(lay: _Layout) -> _Term:
+    """FPDT: send + receive of one chunk; Ulysses (head_to_seq): the reshaped copy and the send buffer. Both of
+    this TP rank's heads."""
+    hd = lay.shape.head_dim
+    if not lay.attention_layers:
+        return _Term("all-to-all buffers", 0)
+    if lay.fpdt:
+        nbytes = 2 * lay.b * lay.chunk * lay.heads_tp * hd * lay.qa
+    else:
+        nbytes = 2 * lay.t * lay.heads_tp * hd * lay.m
+    note = "send + receive of one all-to-all" + (" (attention layers only)" if lay.shape.blocks else "")
+    return _Term("all-to-all buffers", nbytes, note=note)
+
+
+def _state_exchange_buffers(lay: _Layout) -> _Term:
+    """Recurrent layers (no all-to-all): the all-gathered per-segment state summaries of the exclusive affine
+    scan, fp32, for every segment of the sequence (``P`` ranks x local segments x b). GDN: ``[M | B]``,
+    ``heads x dk x (dk + dv)``; Mamba-2: the scalar decay and the state, ``heads x (1 + p x n)``. Backward
+    gathers the entry states' gradients, no larger. Small: independent of the sequence length per segment."""
+    s, n = lay.shape, lay.segments * lay.b
+    sizes = {}
+    if s.gdn is not None:
+        sizes["gated_deltanet"] = n * s.gdn.heads * s.gdn.dk * (s.gdn.dk + s.gdn.dv) * 4
+    if s.mamba2 is not None:
+        sizes["mamba2"] = n * s.mamba2.heads * (1 + s.mamba2.head_dim * s.mamba2.state) * 4
+    if not sizes:
+        return _Term("state exchange buffers", 0)
+    note = f"all-gathered state summaries of {n} segments (" + ", ".join(sizes) + "); no all-to-all"
+    return _Term("state exchange buffers", max(sizes.values()), note=note)
+
+
+def _mlp_forward(lay: _Layout) -> _Term:
+    """FPDT's tiled MLP: its output (+ its input's copy) and one chunk without grad (+ the weights' casts).
+    Ulysses: the MLP's output. (Noted with the backward.)"""
+    s = lay.shape
+    if not lay.mlp_layers:
+        return _Term("MLP working set", 0)
+    if not lay.fpdt:
+        return _Term("MLP working set", s.d * lay.m * lay.t)
+    chunk = min(lay.mlp_chunk, lay.t) * lay.inter_tp * lay.m  # one (chunk, I / tp) tensor
+    n_mlp = 4 if s.gated else 2
+    return _Term("MLP working set", 2 * s.d * lay.r * lay.t + (n_mlp - 1) * chunk
+                 + lay.mlp_weights * lay.chunk_casts)  # fmt: skip
+
+
+def _mlp_backward(lay: _Layout) -> _Term:
+    """FPDT's tiled MLP: grad_x and one chunk recomputed with grad (+ the casts). Ulysses: the activation's
+    gradients (act*up is freed). Both: the residual stream's gradient."""
+    s = lay.shape
+    if not lay.mlp_layers:
+        return _Term("MLP working set", 0)
+    if lay.fpdt:
+        mc = min(lay.mlp_chunk, lay.t)
+        n_mlp = 4 if s.gated else 2
+        nbytes = (
+            2 * s.d * lay.r * lay.t
+            + (n_mlp + 3) * mc * lay.inter_tp * lay.m
+            + lay.mlp_weights * lay.chunk_casts
+        )
+        note = f"tiled: {mc:,}-token chunks"
+    else:
+        nbytes = (2 if s.gated else 1) * lay.inter_tp * lay.m * lay.t
+        note = "MLP gradients"
+    return _Term("MLP working set", nbytes + _residual_gradient_bytes(lay), note=note)
+
+
+def _recomputed_block(lay: _Layout) -> _Block:
+    """The layer kind whose recompute holds the most (a hybrid's heaviest layer: its backward is the peak)."""
+    return max(set(lay.blocks), key=lambda b: (_layer_device_bytes(lay, b), b.mixers))
+
+
+def _recomputed_layer_attention(lay: _Layout) -> _Term:
+    """Checkpointing: the recomputed layer's saved tensors up to its MLP (its FPDT chunks on the host with
+    offload). Its first norm saves the checkpointed input itself: FPDT's tiled norm always, Hugging Face's
+    when that input is fp32 already."""
+    if not lay.checkpointing:
+        return _Term(_RECOMPUTE, 0)
+    block = _recomputed_block(lay)
+    shared = lay.shape.d * lay.r * lay.t if (lay.fpdt or lay.r == 4) and block.mixers else 0
+    device = _layer_device_bytes(lay, block) - _layer_mlp_bytes(lay, block) - shared
+    device -= _o_proj_input_bytes(lay, block)
+    return _Term(_RECOMPUTE, device, _offloaded_bytes(lay, block), note="one layer recomputed in backward")
+
+
+def _recomputed_o_proj_input(lay: _Layout) -> _Term:
+    """Checkpointing: the recomputed layer's o_proj input, freed before its attention runs backward."""
+    return _Term(_RECOMPUTE, _o_proj_input_bytes(lay, _recomputed_block(lay)) if lay.checkpointing else 0)
+
+
+def _recomputed_layer_mlp(lay: _Layout) -> _Term:
+    """Checkpointing: the recomputed layer's MLP tensors (freed by the time its attention runs backward)."""
+    return _Term(_RECOMPUTE, _layer_mlp_bytes(lay, _recomputed_block(lay)) if lay.checkpointing else 0)

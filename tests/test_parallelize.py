@@ -1,0 +1,125 @@
+"""The one world mesh (mesh.py) and ``parallelize`` (parallelize.py) without Lightning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_longctx.config import MODES, Mode, SequenceParallelConfig
+from lightning_longctx.mesh import REPLICA_AXIS, TP_AXIS, ParallelLayout, build_world_mesh
+
+
+def _mesh_groups(sp: int, tp: int, flatten: bool) -> dict:
+    layout = ParallelLayout(world_size=dist.get_world_size(), sp=sp, tp=tp)
+    mesh = build_world_mesh(layout, "cpu", flatten=flatten)
+    ranks = dist.get_process_group_ranks
+    return {
+        "flattened": mesh.flattened,
+        "sp": ranks(mesh.sp_group),
+        "dp": ranks(mesh.dp_group),
+        "tp": ranks(mesh.tp_group),
+        "replicas": ranks(mesh.replica_group),
+        "names": (mesh.replicas.mesh_dim_names, mesh.tp.mesh_dim_names),
+        # FSDP2 composes the replica and TP meshes only when they share one root
+        "one_root": mesh.replicas._get_root_mesh() is mesh.tp._get_root_mesh(),
+    }
+
+
+@pytest.mark.parametrize("sp, tp", [(2, 2), (2, 1), (1, 2)])
+def test_world_mesh_groups_follow_the_layout_with_and_without_flatten(dist_pool, sp, tp):
+    pool = dist_pool(4)
+    flat, fallback = pool.run(_mesh_groups, sp, tp, True), pool.run(_mesh_groups, sp, tp, False)
+    layout = ParallelLayout(world_size=4, sp=sp, tp=tp)
+    for rank, (a, b) in enumerate(zip(flat, fallback)):
+        assert a["flattened"] and not b["flattened"]
+        want_sp = sorted(
+            r for r in range(4) if layout.dp_rank(r) == layout.dp_rank(rank) and r % tp == rank % tp
+        )
+        want_dp = sorted(
+            r for r in range(4) if layout.sp_rank(r) == layout.sp_rank(rank) and r % tp == rank % tp
+        )
+        want_tp = sorted(r for r in range(4) if r // tp == rank // tp)
+        want_replicas = sorted(r for r in range(4) if r % tp == rank % tp)
+        for got in (a, b):
+            assert (got["sp"], got["dp"], got["tp"], got["replicas"]) == (
+                want_sp,
+                want_dp,
+                want_tp,
+                want_replicas,
+            )
+            assert got["names"] == ((REPLICA_AXIS,), (TP_AXIS,)) and got["one_root"], got
+
+
+def test_mode_is_a_string_enum():
+    assert SequenceParallelConfig(fpdt_chunk_size=8).mode is Mode.FPDT
+    assert (
+        SequenceParallelConfig().mode == "ulysses"
+        and str(Mode.FPDT) == "fpdt"
+        and f"{Mode.ULYSSES}" == "ulysses"
+    )
+    assert MODES == ("ulysses", "fpdt") and Mode("fpdt") is Mode.FPDT
+    assert {"fpdt": 1}[Mode.FPDT] == 1  # hashes as its string
+
+
+def test_parallelize_module_is_not_shadowed():
+    """``parallelize`` lives in ``lightning_longctx.parallelize`` and is not re-exported at the top: a function
+    of the submodule's name there would shadow the module (``import lightning_longctx.parallelize as m``)."""
+    import lightning_longctx
+    import lightning_longctx.parallelize as module
+
+    assert callable(module.parallelize) and "parallelize" not in lightning_longctx.__all__
+
+
+def _lightning_free_step(chunk: int | None, flatten: bool) -> dict:
+    """The user guide's "Without Lightning" recipe on 4 ranks (sp 2 x tp 2, FSDP2, checkpointing): one
+    forward and backward against the same model in one process."""
+    import copy
+
+    from helpers.hf_models import tiny_model
+
+    from lightning_longctx import shard_batch
+    from lightning_longctx.integrations.transformers import context_of
+    from lightning_longctx.parallelize import parallelize
+
+    config = SequenceParallelConfig(
+        sequence_parallel_size=2,
+        tensor_parallel_size=2,
+        data_parallel="fsdp",
+        fpdt_chunk_size=chunk,
+        activation_checkpointing=True,
+    ).resolve(dist.get_world_size(), 0, "cpu")
+    mesh = build_world_mesh(config.layout, "cpu", flatten=flatten)
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 64, (1, 32))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    want = reference(**batch).loss
+    want.backward()
+
+    undo = parallelize(model, mesh, config)
+    local = shard_batch(batch, group=mesh.sp_group, chunk_size=config.chunk_for(ids.shape[1]))
+    loss = model(**local).loss
+    (loss * config.sp).backward()  # FSDP2 averages over the dp x sp replicas: x sp makes it the sum over sp
+    errors = {}
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        errors[name] = ((grad - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-12)).item()
+    patched = context_of(model) is not None
+    undo()
+    return {
+        "loss": abs(loss.item() - want.item()),
+        "errors": errors,
+        "patched": patched,
+        "undone": context_of(model) is None and not model.model.gradient_checkpointing,
+    }
+
+
+@pytest.mark.parametrize("chunk, flatten", [(None, True), (4, False)])
+def test_parallelize_without_lightning_matches_one_process(dist_pool, chunk, flatten):
+    for rank, got in enumerate(dist_pool(4).run(_lightning_free_step, chunk, flatten)):
+        assert got["patched"] and got["undone"], got
+        assert got["loss"] < 1e-5, (rank, got["loss"])
+        bad = {name: err for name, err in got["errors"].items() if not err < 1e-5}
+        assert not bad, (rank, bad)
