@@ -194,28 +194,34 @@ def load_full_state(
     """Load a single-file checkpoint's ``state_dict`` and ``optimizer_states`` into the (possibly sharded)
     ``module`` and its optimizers; every rank holds the file memory-mapped."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
 
     if "state_dict" in checkpoint:
         set_model_state_dict(module, checkpoint["state_dict"], options=_options(True, strict))
     for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", ())):
-        # copies: the optimizer keeps (and updates in place) some loaded tensors as they are, AdamW's step
-        # counters among them, which would keep the whole memory-mapped file resident for the run
-        state = _copied(state)
+        # copies of what the optimizer would keep as loaded (and update in place), which would keep the
+        # memory-mapped file resident for the run: torch's load_state_dict keeps every tensor of the right
+        # dtype and device; for sharded (DTensor) parameters the distributed loader copies the moments into
+        # new shards and keeps only AdamW's 0-dim step counters (cloning only those saves a full copy of the
+        # moments on every rank)
         if not state.get("state"):  # stateless (plain SGD), or saved before the first step
             _restore_groups(optimizer, state["param_groups"])
-        elif all(isinstance(k, int) for k in state["state"]):  # keyed by index: torch's own state_dict()
+            continue
+        state = _copied(state, scalars_only=all(isinstance(p, DTensor) for p in module.parameters()))
+        if all(isinstance(k, int) for k in state["state"]):  # keyed by index: torch's own state_dict()
             optimizer.load_state_dict(state)
         else:
             set_optimizer_state_dict(module, optimizer, state, options=_options(True, strict))
 
 
-def _copied(state: Any) -> Any:
+def _copied(state: Any, *, scalars_only: bool) -> Any:
+    """``state`` with its tensors cloned (``scalars_only``: its 0-dim tensors only, the rest as they are)."""
     if isinstance(state, torch.Tensor):
-        return state.clone()
+        return state.clone() if state.dim() == 0 or not scalars_only else state
     if isinstance(state, dict):
-        return {k: _copied(v) for k, v in state.items()}
+        return {k: _copied(v, scalars_only=scalars_only) for k, v in state.items()}
     if isinstance(state, list):
-        return [_copied(v) for v in state]
+        return [_copied(v, scalars_only=scalars_only) for v in state]
     return state
 
 

@@ -86,7 +86,15 @@ def _fit(layout: dict, root: str, steps: int, resume: bool, seed: int) -> dict:
     )  # fmt: skip
     resumed_from = str(latest_checkpoint(root)) if resume else None
     trainer.fit(module, ckpt_path=resumed_from)
-    return {"start": at_start.state, "end": _full_state(trainer), "resumed_from": resumed_from}
+    # a single file is loaded memory-mapped: nothing the run keeps may hold the mapping (a 0-dim AdamW step
+    # counter kept as loaded would keep the whole file resident for the run)
+    mapped = resumed_from is not None and resumed_from in Path("/proc/self/maps").read_text()
+    return {
+        "start": at_start.state,
+        "end": _full_state(trainer),
+        "resumed_from": resumed_from,
+        "mapped": mapped,
+    }
 
 
 def _reference(arch: str, steps: int) -> tuple[dict, dict]:
@@ -184,7 +192,25 @@ RESUMES = {
         {"world": 2, "arch": "mixtral", "precision": "32-true", "sequence_parallel_size": 2, **FSDP},
     ),
 }
-FAST = {"fsdp_dp2xsp2_to_world2_sp2_cpu_offload", "ddp_sp2_to_fsdp_sp2xtp2_fpdt"}
+FULL = {"checkpoint_format": "full"}
+RESUMES.update(
+    {
+        # the single-file format: gathered on rank 0 at one layout, loaded (memory-mapped) at another
+        "full_fsdp_dp2xsp2_to_ddp_sp2": (
+            {"world": 4, "sequence_parallel_size": 2, **FSDP, **FULL},
+            {"world": 2, "sequence_parallel_size": 2, **FULL},
+        ),
+        "full_ddp_sp2_to_fsdp_sp2xtp2_cpu_offload": (
+            {"world": 2, "sequence_parallel_size": 2, **FULL},
+            {"world": 4, "sequence_parallel_size": 2, "tensor_parallel_size": 2, "cpu_offload": True, **FSDP},
+        ),
+    }
+)
+FAST = {
+    "fsdp_dp2xsp2_to_world2_sp2_cpu_offload",
+    "ddp_sp2_to_fsdp_sp2xtp2_fpdt",
+    "full_fsdp_dp2xsp2_to_ddp_sp2",
+}
 
 
 def _run(dist_pool, layout: dict, *args) -> dict:
@@ -203,15 +229,20 @@ def test_resume_at_another_layout_is_exact(dist_pool, tmp_path, case):
     first = _run(dist_pool, saved_at, str(tmp_path), 2, False, 0)
     assert first["resumed_from"] is None
     newest = latest_checkpoint(tmp_path)
-    assert newest is not None and is_sharded_checkpoint(newest), sorted(os.listdir(tmp_path))
+    fmt = saved_at.get("checkpoint_format", "sharded")
+    assert newest is not None and is_sharded_checkpoint(newest) == (fmt == "sharded"), sorted(
+        os.listdir(tmp_path)
+    )
     info = commit_info(newest)
-    assert info["global_step"] == 2 and info["format"] == "sharded"
+    assert info["global_step"] == 2 and info["format"] == fmt
     assert info["layout"]["world_size"] == saved_at["world"]
-    shards = sorted(p.name for p in newest.glob("*.distcp"))
-    assert len(shards) == saved_at["world"], shards  # every rank wrote its own shards
+    if fmt == "sharded":
+        shards = sorted(p.name for p in newest.glob("*.distcp"))
+        assert len(shards) == saved_at["world"], shards  # every rank wrote its own shards
     # the resumed run starts from another seed: everything must come from the checkpoint
     second = _run(dist_pool, resumed_at, str(tmp_path), 4, True, 123)
     assert second["resumed_from"] == str(newest)
+    assert not second["mapped"], "the loaded checkpoint file is still mapped after the run"
     _assert_identical(second["start"], first["end"])
     if arch == "mixtral":  # its loss holds the router's auxiliary term: the float64 reference has none
         assert second["end"]["optim"]["state"], "the resumed run must have stepped"
