@@ -76,7 +76,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+#: world 8 starts a pool of its own (a minute of imports on 2 cores): the slow tier
+SLOW = {"llama_dp2_sp2_tp2"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES])
 def test_tensor_parallel_matches_one_process(dist_pool, name):
     arch, world, sp, tp, skw, mkw, *clip = CASES[name]
     clip = clip[0] if clip else None
