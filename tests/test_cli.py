@@ -157,6 +157,9 @@ cli = LightningCLI(L.LightningModule, L.LightningDataModule, subclass_mode_model
 s = cli.trainer.strategy
 print("STRATEGY", type(s).__module__, type(s).__name__, s.sp_config.sequence_parallel_size)
 print("BUCKET_VIEW", s._ddp_kwargs["gradient_as_bucket_view"])
+print("DDP_KWARGS", sorted(s._ddp_kwargs))
+(periodic,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "PeriodicCheckpoint"]
+print("PERIODIC", periodic._every_n_train_steps, periodic.keep_latest_k, periodic.monitor, periodic.save_last)
 """
 
 
@@ -174,6 +177,13 @@ def test_yaml_class_path_strategy_needs_no_import(tmp_path):
                         "class_path": "lightning_longctx.UlyssesFPDTStrategy",
                         "init_args": {"sequence_parallel_size": 2},
                     },
+                    # as the shipped GPU configs: jsonargparse passes ModelCheckpoint's defaults along
+                    "callbacks": [
+                        {
+                            "class_path": "lightning_longctx.callbacks.PeriodicCheckpoint",
+                            "init_args": {"every_n_train_steps": 100, "keep_latest_k": 2, "save_last": True},
+                        }
+                    ],
                 },
                 "model": {"class_path": "lightning.pytorch.demos.boring_classes.BoringModel"},
                 "data": {"class_path": "lightning.pytorch.demos.boring_classes.BoringDataModule"},
@@ -186,6 +196,9 @@ def test_yaml_class_path_strategy_needs_no_import(tmp_path):
     assert "STRATEGY lightning_longctx.strategy UlyssesFPDTStrategy 2" in out
     # LightningCLI passes every DDP keyword at DDP's default: ours (gradients in the buckets) must win
     assert "BUCKET_VIEW True" in out
+    # DDP's arguments the strategy sets itself (process_group, ...) arrive at their defaults: not passed on
+    assert "DDP_KWARGS ['gradient_as_bucket_view']" in out, out
+    assert "PERIODIC 100 2 step True" in out, out
 
 
 @pytest.mark.parametrize(

@@ -291,6 +291,29 @@ def test_cli_plans_the_8b_1m_config(capsys):
     assert "longest sequence within 80.00 GiB per device and 931.32 GiB per host: 950,272 tokens" in out
 
 
+#: every shipped GPU config and the GPU (and host) its header names
+GPU_CONFIGS = {
+    "llama3_8b_1m_fpdt_8gpu.yaml": ["--device-memory", "80GiB"],  # "80 GB+ each, e.g. H100/H200"
+    "llama3_8b_4node_slurm.yaml": ["--device-memory", "80GiB"],
+    "llama3_8b_500k_1gpu.yaml": ["--device-memory", "80GiB", "--host-memory", "1TB"],
+}
+
+
+def test_every_gpu_config_is_listed_with_its_gpu():
+    gpu = {p.name for p in CONFIGS.glob("*.yaml") if "accelerator: gpu" in p.read_text()}
+    assert gpu == set(GPU_CONFIGS)
+
+
+@pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
+def test_every_gpu_config_fits_its_gpu_with_fp32_master_weights(name, capsys):
+    assert main(["plan", "--config", str(CONFIGS / name), *GPU_CONFIGS[name], "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"], (name, plan["device_needed"], plan["host_needed"])
+    # bf16-mixed over fp32 parameters: fp32 master weights and AdamW state (a bf16 model dtype would round
+    # most updates of a fine-tune away)
+    assert plan["precision"] == "bf16-mixed" and plan["param_bytes"] == 4 and plan["mp_policy"], plan
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_cli_plans_every_shipped_config(name, capsys):
     assert main(["plan", "--config", str(CONFIGS / name), "--json"]) == 0
