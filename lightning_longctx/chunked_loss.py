@@ -23,6 +23,7 @@ inputs' dtype; logits are upcast to fp32 (fp64 for fp64 inputs) before the softm
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,7 @@ from lightning_longctx.comm import (
     all_reduce_sum_identity_grad,
     group_rank_size,
 )
-from lightning_longctx.loss import global_valid_count
+from lightning_longctx.loss import TokenLossObserver, global_valid_count
 from lightning_longctx.sharding import IGNORE_INDEX
 
 #: bytes of one fp32 ``(chunk, vocab)`` logits block when the loss chunk is not set (128 MiB: 1024 tokens
@@ -62,6 +63,7 @@ class _Config:
     vocab_group: Group = None  # vocabulary parallel: the group whose ranks hold the vocabulary's row blocks
     vocab_start: int = 0  # the first vocabulary row of this rank's weight block
     vocab_parallel: bool = False
+    observer: Callable[[torch.Tensor], None] | None = None  # gets the (T,) per-token losses, detached
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: _Config) -> torch.Tensor:
@@ -120,7 +122,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if cfg.vocab_parallel:  # the log-sum-exp over every rank's vocabulary rows; the owner's target logit
             lse = torch.logsumexp(all_gather_no_grad(lse[None], cfg.vocab_group), dim=0)
             target = all_reduce_no_grad(target, cfg.vocab_group)
-        total = torch.where(labels != cfg.ignore_index, lse - target, 0.0).sum()
+        per_token = torch.where(labels != cfg.ignore_index, lse - target, 0.0)  # (T,): lse's size
+        if cfg.observer is not None:
+            cfg.observer(per_token.detach())
+        total = per_token.sum()
         ctx.cfg = cfg
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         return total
@@ -192,6 +197,7 @@ def chunked_lm_head_cross_entropy(
     logit_scale: float | None = None,
     softcap: float | None = None,
     vocab_group: Group = None,
+    observer: TokenLossObserver | None = None,
 ) -> torch.Tensor:
     """Global-mean cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits.
 
@@ -208,6 +214,9 @@ def chunked_lm_head_cross_entropy(
             rank's block of ``V / t`` vocabulary rows, rank ``r`` of the group holding rows ``[r V/t, (r+1) V/t)``;
             every rank of the group passes the same ``hidden`` and labels. The loss and the hidden-state
             gradient are the full vocabulary's; the weight gradient is this block's. ``None``: full weight.
+        observer: also hands this rank's per-token losses, ``(b, s)`` like ``shift_labels``, to it
+            (:data:`~lightning_longctx.loss.TokenLossObserver`): the chunks' log-sum-exps minus target logits,
+            a ``(tokens,)`` vector the forward keeps anyway; never the logits. No collective.
 
     Returns a 0-dim fp32 tensor (fp64 for fp64 inputs), equal on all ranks of ``group``, identical in
     value and gradient to ``sequence_parallel_cross_entropy(logits, shift_labels)``: the local sum
@@ -245,6 +254,9 @@ def chunked_lm_head_cross_entropy(
         vocab_group=vocab_group,
         vocab_start=vocab_rank * weight.shape[0],
         vocab_parallel=vocab_ranks > 1,
+        observer=None
+        if observer is None
+        else lambda losses: observer(losses.view(shift_labels.shape), shift_labels != ignore_index),
     )
     local_sum = _ChunkedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, shift_labels.reshape(-1), cfg

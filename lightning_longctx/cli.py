@@ -1,4 +1,5 @@
-"""The ``lightning-longctx`` console script: LightningCLI, plus ``lightning-longctx slurm`` and ``plan``.
+"""The ``lightning-longctx`` console script: LightningCLI, plus ``lightning-longctx slurm``, ``plan`` and
+``export`` (``lightning-longctx --help`` lists them all).
 
 ::
 
@@ -7,6 +8,7 @@
     lightning-longctx fit --config my.yaml --ckpt_path auto   # the newest committed checkpoint, or fresh
     lightning-longctx slurm --nodes 4 --gpus-per-node 8 --config my.yaml -o train.sbatch
     lightning-longctx plan --config my.yaml --device-memory 80GiB
+    lightning-longctx export run/ hf_model/ [--merge-lora] [--dtype bfloat16]   # a save_pretrained folder
 
 Importing this module imports ``lightning_longctx``, which registers the strategy names
 (``--trainer.strategy=ulysses_fpdt`` / ``ulysses`` / ``fpdt_offload``). ``--model`` takes any
@@ -30,7 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 import lightning_longctx  # noqa: F401  (registers the strategy names before the Trainer parses them)
-from lightning_longctx import plan_cli, slurm
+from lightning_longctx import export, plan_cli, slurm
 from lightning_longctx.callbacks.progress import step_aware_progress_bar
 from lightning_longctx.checkpoint import commit_info, latest_checkpoint
 
@@ -99,13 +101,34 @@ class LongCtxCLI(LightningCLI):
         self._resolve_auto_checkpoint("predict")
 
 
+#: the subcommands of our own, beside LightningCLI's: name -> (entry point, one line for ``--help``)
+SUBCOMMANDS = {
+    "plan": (plan_cli.main, "Memory plan and step time of a config, before launching it."),
+    "slurm": (slurm.main, "Write an sbatch script that runs `fit` on SLURM, requeued at the time limit."),
+    "export": (export.main, "Write a Hugging Face save_pretrained folder from a checkpoint."),
+}
+
+
+def overview() -> str:
+    """``lightning-longctx --help``: every subcommand, LightningCLI's and ours, one line each."""
+    lines = ["usage: lightning-longctx SUBCOMMAND [options]   (python -m lightning_longctx is the same)", ""]
+    lines += ["Ulysses sequence parallelism and FPDT for PyTorch Lightning.", "", "subcommands:"]
+    for name in LongCtxCLI.subcommands():  # fit, validate, test, predict: the Trainer's methods
+        first = " ".join((getattr(L.Trainer, name).__doc__ or "").split()).split(". ")[0].rstrip(".")
+        lines.append(f"  {name:<9} {first} (LightningCLI).")
+    lines += [f"  {name:<9} {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    lines += ["", "`lightning-longctx SUBCOMMAND --help` gives a subcommand's options."]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``lightning-longctx`` and ``python -m lightning_longctx``; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "slurm":
-        return slurm.main(args[1:])
-    if args and args[0] == "plan":
-        return plan_cli.main(args[1:])
+    if args and args[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[args[0]][0](args[1:])
+    if args and args[0] in ("-h", "--help"):  # LightningCLI's own help would list its four subcommands only
+        print(overview())
+        return 0
     LongCtxCLI(
         L.LightningModule,
         None,  # --data optional (a model may bring its own dataloaders); any LightningDataModule class_path

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_longctx.config import SequenceParallelConfig
+from lightning_longctx.integrations.hf_config import build_config
 from lightning_longctx.planner import (
     MemoryPlan,
     format_bytes,
@@ -76,12 +77,13 @@ def plan_kwargs_from_config(
     data_args = (config.get("data") or {}).get("init_args") or {}
     notes: list[str] = []
 
+    overrides = model_args.get("config_overrides")  # CausalLM's: the planned model is the trained one
     if model_args.get("model_config") is not None:
         model = dict(model_args["model_config"])
+        if overrides:
+            model = build_config(model, None, overrides)
     elif model_args.get("pretrained_path") is not None:
-        from transformers import AutoConfig
-
-        model = AutoConfig.from_pretrained(model_args["pretrained_path"], local_files_only=True)
+        model = build_config(None, model_args["pretrained_path"], overrides)
     else:
         raise ValueError(
             "the config has no model.init_args.model_config or pretrained_path to read the model from"

@@ -548,10 +548,27 @@ class UlyssesFPDTStrategy(DDPStrategy):
         if self._contexts and isinstance(out.get("position_ids"), Tensor):  # the documents, no collective
             full = global_positions(batch, group=self.sp_group, chunk_size=chunk)
             for ctx in self._contexts:
-                ctx.positions = BatchPositions(local=out["position_ids"], full=full)
+                ctx.positions = BatchPositions(local=out["position_ids"], full=full, length=ids.shape[1])
+            self._check_positions(batch, ids.shape[1])
             self._check_hybrid_batch(out["position_ids"].shape[-1], chunk)
         self._batches_sharded += 1
         return out
+
+    def _check_positions(self, batch: Mapping[str, Any], seq_len: int) -> None:
+        """RoPE models: no position past what the model's rotary embedding covers (``integrations/rope.py``),
+        decided alike on every rank before the forward: from the sequence length (the same on every rank) when
+        the batch brings no ``position_ids``, else from its largest position, one small all-reduce (packed
+        documents restart their positions: a long row of short documents is fine)."""
+        limits = [(ctx, ctx.rope_limit) for ctx in self._contexts if ctx.rope_limit is not None]
+        if not limits or (seq_len <= min(r.limit for _, r in limits) and "position_ids" not in batch):
+            return
+        longest = seq_len
+        if "position_ids" in batch:
+            length = self._contexts[0].positions.sequence_length().reshape(1)
+            longest = int(all_reduce_no_grad(length, op="max")[0])
+        for ctx, limit in limits:
+            if longest > limit.limit:
+                raise limit.error(ctx.model_name, longest)
 
     def _check_hybrid_batch(self, local_len: int, chunk: int | None) -> None:
         """Hybrid models: what their mixers refuse (packed documents, segments shorter than a conv's halo),

@@ -72,6 +72,12 @@ def test_documented_command_is_exercised(where: str, cmd: str, tmp_path: Path, c
         out, err = capsys.readouterr()
         assert status == 0, err[-2000:]
         assert "total at peak" in out or "--json" in args
+    elif args[:2] == ["lightning-longctx", "export"]:  # needs a run: its flags exist (test_export.py runs it)
+        with pytest.raises(SystemExit):
+            cli_main(["export", "--help"])
+        help_text = capsys.readouterr().out
+        for flag in _flags(args[2:]):
+            assert flag in help_text, f"{where}: lightning-longctx export has no flag {flag}"
     elif args[:2] == ["lightning-longctx", "fit"]:
         proc = subprocess.run(
             [sys.executable, "-m", "lightning_longctx", *args[1:], "--print_config"],

@@ -1032,3 +1032,19 @@ def test_attention_free_mamba2_has_no_attention_mlp_or_all_to_all():
 def test_unmodelled_recurrent_layers_are_refused_by_name(model_type, kind):
     with pytest.raises(ValueError, match=f"has {kind}.*does not model"):
         plan_memory({"model_type": model_type}, seq_len=4096, sequence_parallel_size=2)
+
+
+def test_the_cli_plans_the_model_with_its_config_overrides():
+    """``CausalLM(config_overrides=...)`` changes the trained model: the plan must see the same one (one
+    function builds the config for CausalLM, ``plan`` and ``export``)."""
+    import yaml
+
+    from lightning_longctx.plan_cli import plan_kwargs_from_config
+
+    config = yaml.safe_load((CONFIGS / "demo_cpu.yaml").read_text())
+    config["model"]["init_args"]["config_overrides"] = {"num_hidden_layers": 7}
+    model, _, _ = plan_kwargs_from_config(config)
+    assert model.num_hidden_layers == 7
+    config["model"]["init_args"]["config_overrides"] = {"num_hiden_layers": 7}
+    with pytest.raises(ValueError, match="did you mean 'num_hidden_layers'"):
+        plan_kwargs_from_config(config)

@@ -39,7 +39,7 @@ PUBLIC = {
 
 def test_all_is_frozen():
     assert set(lightning_longctx.__all__) == PUBLIC
-    assert {"MFUMonitor", "MemoryMonitor"} <= set(callbacks.__all__)
+    assert {"MFUMonitor", "MemoryMonitor", "PositionalLoss"} <= set(callbacks.__all__)
     assert set(recipes.__all__) == {
         "CausalLM", "RecallAccuracy", "RecallDataModule", "RecallDataset", "recall_accuracy", "warmup_cosine"
     }  # fmt: skip

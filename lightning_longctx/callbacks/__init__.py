@@ -1,10 +1,20 @@
-"""Lightning callbacks that know about sequence parallelism: throughput/MFU, memory, checkpoints, preemption."""
+"""Lightning callbacks that know about sequence parallelism: throughput/MFU, memory, checkpoints, preemption,
+validation loss by position."""
 
 from __future__ import annotations
 
 from lightning_longctx.callbacks.checkpoint import PeriodicCheckpoint
 from lightning_longctx.callbacks.memory import MemoryMonitor, max_over_ranks
 from lightning_longctx.callbacks.mfu import MFUMonitor
+from lightning_longctx.callbacks.positional_loss import PositionalLoss
 from lightning_longctx.preemption import Preempted, Preemption
 
-__all__ = ["MFUMonitor", "MemoryMonitor", "PeriodicCheckpoint", "Preempted", "Preemption", "max_over_ranks"]
+__all__ = [
+    "MFUMonitor",
+    "MemoryMonitor",
+    "PeriodicCheckpoint",
+    "PositionalLoss",
+    "Preempted",
+    "Preemption",
+    "max_over_ranks",
+]

@@ -8,13 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_longctx.comm import Group, group_rank_size
+from lightning_longctx.comm import Group, all_reduce_no_grad, group_rank_size
 from lightning_longctx.sharding import document_ids, gather_sequence, global_index, local_chunk
 
 if TYPE_CHECKING:
     from lightning_longctx.config import ResolvedConfig
     from lightning_longctx.integrations.lm_head import ChunkedHead
     from lightning_longctx.integrations.moe import MoEAuxLossPlan
+    from lightning_longctx.integrations.rope import RopeLimit
+    from lightning_longctx.loss import TokenLossObserver
 
 
 def _version(t: torch.Tensor) -> int:
@@ -28,12 +30,15 @@ class BatchPositions:
     model is called with; ``full`` ``(b, N)`` the whole sequence in global order. Set once per batch where
     it is sharded (the strategy, from ``sharding.global_positions``, no collective) or by the model's
     forward hook (one all-gather) when a call brings other position ids. The document ids every attention
-    layer needs are derived from ``full`` here and remembered on this object, which dies with the batch."""
+    layer needs are derived from ``full`` here and remembered on this object, which dies with the batch.
+    ``length``: the batch's tokens before ``shard_batch`` padded the end (``None``: all of ``full``)."""
 
     local: torch.Tensor
     full: torch.Tensor
     version: int = -1  # ``local._version`` when recorded: an in-place write makes it a different batch
+    length: int | None = None
     _documents: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    _sequence_length: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.version = _version(self.local)
@@ -59,6 +64,13 @@ class BatchPositions:
             full = self.full if chunk is None else self.full % chunk
             self._documents[chunk] = document_ids(full)
         return self._documents[chunk]
+
+    def sequence_length(self) -> torch.Tensor:
+        """0-d: the largest position id of the batch (its pads left out) + 1, what a length-dependent RoPE
+        reads on one process as ``max(position_ids) + 1`` (``integrations/rope.py``); stays on the device."""
+        if self._sequence_length is None:
+            self._sequence_length = self.full[..., : self.length].max() + 1
+        return self._sequence_length
 
 
 @dataclass(eq=False)
@@ -89,8 +101,12 @@ class SequenceParallelContext:
     mixer_halo: int = 0  # the most tokens a mixer needs from before its segment (a conv's k-1)
     lm_head: ChunkedHead | None = None  # FPDT mode: read at patch time
     moe_plan: MoEAuxLossPlan | None = None  # the model's in-forward load-balancing loss, if any
+    rope_limit: RopeLimit | None = None  # the longest sequence the model's RoPE covers (``rope.py``)
     call_position_ids: torch.Tensor | None = None
     positions: BatchPositions | None = None  # the current batch's, for the documents of every layer
+    # handed every per-token loss the model's loss computes (``loss.TokenLossObserver``); set by a validation
+    # callback for its runs (``callbacks/positional_loss.py``), ``None`` otherwise
+    loss_observer: TokenLossObserver | None = None
     restore: dict[str, Any] = field(default_factory=dict)  # the model's settings before patching
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SequenceParallelContext:
@@ -136,6 +152,16 @@ class SequenceParallelContext:
             position_ids.reshape(-1, local), group=self.group, chunk_size=self.local_chunk(local)
         )
         self.positions = BatchPositions(local=position_ids, full=full)
+
+    def sequence_length(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """0-d: the GLOBAL sequence length of the batch whose shard is ``position_ids`` (largest position id
+        + 1, ``shard_batch``'s pads left out): what one process would read on the whole sequence. From the
+        recorded batch (no collective) or, for other positions, one all-reduce over the group (every rank
+        runs the model's rotary embedding, so every rank takes part)."""
+        pos = self.positions
+        if pos is not None and pos.describes(position_ids):
+            return pos.sequence_length()
+        return all_reduce_no_grad(position_ids.max().reshape(1), group=self.group, op="max")[0] + 1
 
     def global_index(self, local_len: int, device: torch.device) -> torch.Tensor:
         """``(local_len,)`` global token index of each local token in this rank's layout (``shard_batch``'s)."""

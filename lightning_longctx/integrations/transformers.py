@@ -16,7 +16,9 @@ Anything else is refused with an error, never dropped.
 
 State lives in one place: the model's ``SequenceParallelContext`` (``context.py``), held by the functions
 registered under the model's key (the model itself keeps only the key string in its config, two
-forward hooks, plus instance overrides of ``loss_function`` and, in FPDT mode, ``forward``).
+forward hooks, plus instance overrides of ``loss_function``, in FPDT mode ``forward``, and the ``forward`` of a
+rotary embedding whose frequencies depend on the sequence length, which reads the batch's GLOBAL length:
+``rope.py``).
 :func:`disable_sequence_parallel` restores the model and unregisters the key.
 """
 
@@ -50,6 +52,7 @@ from lightning_longctx.integrations.masks import (
     resolve_sliding_window,
 )
 from lightning_longctx.integrations.moe import moe_aux_loss_plan
+from lightning_longctx.integrations.rope import patch_rotary, rope_limit, unpatch_rotary
 from lightning_longctx.loss import sequence_parallel_cross_entropy
 from lightning_longctx.sharding import IGNORE_INDEX
 from lightning_longctx.tensor_parallel import local_head
@@ -167,7 +170,9 @@ def _hf_loss(
             "shard_batch (labels must be shifted BEFORE the sequence is cut, or targets at shard edges are lost). "
             "Use the UlyssesFPDTStrategy, or call lightning_longctx.shard_batch on the batch"
         )
-    return sequence_parallel_cross_entropy(logits, shift_labels, group=ctx.group, ignore_index=ignore_index)
+    return sequence_parallel_cross_entropy(
+        logits, shift_labels, group=ctx.group, ignore_index=ignore_index, observer=ctx.loss_observer
+    )
 
 
 def _aux_loss_on(ctx: SequenceParallelContext, model: nn.Module, kwargs: dict[str, Any]) -> bool:
@@ -195,7 +200,9 @@ def _aux_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         _hf_loss(ctx, None, labels)  # raises the "not sharded" error
     kwargs["output_router_logits"] = True
     out = type(self).forward(self, *args, labels=None, **kwargs)
-    ce = sequence_parallel_cross_entropy(out.logits, shift_labels, group=ctx.group)
+    ce = sequence_parallel_cross_entropy(
+        out.logits, shift_labels, group=ctx.group, observer=ctx.loss_observer
+    )
     loss, aux = _with_aux_loss(ctx, ce, out.router_logits, kwargs)
     return type(out)(**{**out, "loss": loss, "aux_loss": aux})  # rebuilt: `loss` first in to_tuple()
 
@@ -231,6 +238,7 @@ def _chunked_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         chunk_size=ctx.config.settings.loss_chunk_size,
         logit_scale=head.logit_scale,
         softcap=head.softcap,
+        observer=ctx.loss_observer,
     )
     aux_loss = None
     if aux_on:
@@ -411,8 +419,11 @@ def enable_sequence_parallel(
         mixer_halo=halo,
         lm_head=lm_head,
         moe_plan=moe_plan,
+        rope_limit=rope_limit(model.config),
     )
     saved = ctx.restore
+    # length-dependent RoPE (dynamic NTK, longrope) reads the GLOBAL length; refused when it cannot (rope.py)
+    saved["rotary"] = patch_rotary(model, ctx, name)
     saved["attn_implementation"] = model.config._attn_implementation
     saved["use_cache"] = model.config.use_cache
     saved["loss_function"] = model.__dict__.get("_loss_function", _UNSET)
@@ -426,6 +437,7 @@ def enable_sequence_parallel(
         model.set_attn_implementation(ctx.key)
     if model.config._attn_implementation != ctx.key:
         _unregister(ctx.key)
+        unpatch_rotary(saved["rotary"])
         raise RuntimeError(
             f"{name} ignored set_attn_implementation({ctx.key!r}); its attention cannot be swapped"
         )
@@ -509,6 +521,7 @@ def disable_sequence_parallel(model: nn.Module) -> nn.Module:
     for handle in saved.get("hooks", ()):
         handle.remove()
     unpatch_mixers(saved.get("mixers", ()))
+    unpatch_rotary(saved.get("rotary", ()))
     modules = dict(model.named_modules())
     for name in (*saved.get("tiled_mlps", ()), *saved.get("tiled_norms", ())):
         untile_mlp_(modules[name])

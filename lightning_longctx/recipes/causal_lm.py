@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_longctx import enable_activation_checkpointing, sequence_parallel_cross_entropy
+from lightning_longctx.integrations.hf_config import build_config
 from lightning_longctx.recipes.recall import RecallAccuracy
 from lightning_longctx.sharding import IGNORE_INDEX, shift_labels
 
@@ -62,6 +63,13 @@ class CausalLM(L.LightningModule):
             ``AutoModelForCausalLM.from_config`` (random weights).
         pretrained_path: a LOCAL directory for ``AutoModelForCausalLM.from_pretrained(...,
             local_files_only=True)``. Exactly one of ``model_config`` / ``pretrained_path``.
+        config_overrides: fields of the transformers config set before the model is built (with
+            ``pretrained_path``: on its ``config.json``, before the weights load; with ``model_config``:
+            merged into it), e.g. context extension: ``{"rope_parameters": {"rope_type": "yarn", "factor": 4.0},
+            "max_position_embeddings": 32768}``. A new ``rope_parameters`` / ``rope_scaling`` keeps the
+            config's ``rope_theta`` and takes the config's own length (``max_position_embeddings`` before the
+            overrides) as ``original_max_position_embeddings`` unless it names one. A key the config does not
+            have is refused (transformers would keep it silently).
         lr, weight_decay, betas: AdamW; weight decay applies to matrices only (not norms/biases).
         warmup_steps: linear warmup from ``lr / warmup_steps`` to ``lr``.
         max_steps_schedule: cosine decay to ``min_lr_ratio * lr`` at this step; ``None`` keeps
@@ -90,6 +98,7 @@ class CausalLM(L.LightningModule):
         activation_checkpointing: bool = False,
         dtype: str | None = None,
         eval_metric: bool = True,
+        config_overrides: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if (model_config is None) == (pretrained_path is None):
@@ -102,6 +111,10 @@ class CausalLM(L.LightningModule):
             raise ValueError(
                 f"model_config needs a 'model_type' key (e.g. 'llama'); got keys {sorted(model_config)}"
             )
+        if config_overrides is not None and not isinstance(config_overrides, dict):
+            raise TypeError(f"config_overrides must be a dict, got {type(config_overrides).__name__}")
+        if model_config is not None and config_overrides:  # cheap here: refuse an unknown key before fit
+            build_config(model_config=model_config, config_overrides=config_overrides)
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r}: use one of {sorted(_DTYPES)} or None")
         if warmup_steps < 0:
@@ -122,16 +135,18 @@ class CausalLM(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:  # called again by load_from_checkpoint, or a second fit
             return
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         hp = self.hparams
         dtype = _DTYPES[hp.dtype] if hp.dtype is not None else None
         kwargs: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
+        overrides = hp.get("config_overrides")
+        config = build_config(hp.model_config, hp.pretrained_path, overrides)
         if hp.pretrained_path is not None:
-            model = AutoModelForCausalLM.from_pretrained(hp.pretrained_path, local_files_only=True, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                hp.pretrained_path, config=config, local_files_only=True, **kwargs
+            )
         else:
-            cfg = dict(hp.model_config)
-            config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
             model = AutoModelForCausalLM.from_config(config, **kwargs)
         model.config.use_cache = False
         if hp.activation_checkpointing:
