@@ -51,7 +51,17 @@ def _flags(args: list[str]) -> list[str]:
     return [a.split("=")[0] for a in args if a.startswith("--")]
 
 
-@pytest.mark.parametrize("where,cmd", COMMANDS, ids=[c for _, c in COMMANDS])
+def _starts_a_process(cmd: str) -> bool:
+    """The check runs the command's script (``--help``, ``--print_config``) in a new Python: ~1.5-7 s each on
+    2 cores, so the slow tier; plan / slurm / export run in-process and the rest are read, not run."""
+    return cmd.startswith(("python ", "torchrun ", "lightning-longctx fit")) and cmd != "python -m pytest -q"
+
+
+@pytest.mark.parametrize(
+    "where,cmd",
+    [pytest.param(w, c, marks=pytest.mark.slow) if _starts_a_process(c) else (w, c) for w, c in COMMANDS],
+    ids=[c for _, c in COMMANDS],
+)
 def test_documented_command_is_exercised(where: str, cmd: str, tmp_path: Path, capsys, monkeypatch) -> None:
     from lightning_longctx.cli import main as cli_main
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from helpers.hf_models import TINY_LLAMA as TINY
 from helpers.hf_models import HFModule, TokenDataset, tiny_config, tiny_model
 from helpers.lightning import SEQ, lightning_env
 from helpers.lora import lora_model
@@ -26,17 +27,6 @@ from lightning_longctx.cli import main as cli_main
 from lightning_longctx.export import export_pretrained, hf_config
 from lightning_longctx.recipes import CausalLM, RecallDataModule
 
-TINY = dict(
-    model_type="llama",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-)
 DATA = dict(
     seq_len=32, vocab_size=64, num_pairs=2, num_queries=2, batch_size=2, train_samples=4, val_samples=2
 )

@@ -8,22 +8,12 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.hf_models import TINY_LLAMA as TINY
 from helpers.lightning import lightning_env
 
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.recipes import CausalLM, RecallDataModule, warmup_cosine
 
-TINY = dict(
-    model_type="llama",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-)
 DATA = dict(
     seq_len=64, vocab_size=64, num_pairs=4, num_queries=4, batch_size=2, train_samples=8, val_samples=8
 )

@@ -76,8 +76,17 @@ CASES = {
 }
 
 
-#: world 8 starts a pool of its own (a minute of imports on 2 cores): the slow tier
-SLOW = {"llama_dp2_sp2_tp2"}
+#: the fast tier keeps one case per feature (TP x SP, the offloads, experts, clipping, FPDT checkpointing); world 8
+#: starts a pool of its own (a minute of imports on 2 cores)
+SLOW = {
+    "llama_dp2_sp2_tp2",
+    "llama_dp2_tp2",
+    "qwen3_tp2_sp2_qk_norm",
+    "mistral_tp2_sp2_window",
+    "qwen2_tp2_sp2_fpdt_biases",
+    "mixtral_tp2_sp2_experts_aux_loss",
+    "llama_tied_tp2_sp2_fpdt",
+}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES])

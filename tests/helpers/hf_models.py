@@ -17,6 +17,19 @@ ARCHS = {
     "bamba": ("BambaConfig", "BambaForCausalLM"),  # hybrid: conv + Mamba-2 SSD, then attention
 }
 
+#: ``CausalLM(model_config=...)`` of a tiny Llama (untied, 2 layers, 4 heads, 2 KV heads)
+TINY_LLAMA = dict(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+
 
 def tiny_config(
     arch: str = "llama", *, heads: int = 4, kv_heads: int = 2, layers: int = 2, vocab: int = 64, **extra
