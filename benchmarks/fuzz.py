@@ -44,9 +44,10 @@ def search(
 ) -> list[dict]:
     """Run ``trials`` drawn cases (hypothesis, seeded, no shrinking, no database); one row per trial."""
     from fuzz_common import run_verdict
-    from helpers.launch import WarmPools
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
+
+    from helpers.launch import WarmPools
 
     cases, runner, tolerance, timeout = _targets(archs)[target]
     pool_of = WarmPools()

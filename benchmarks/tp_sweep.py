@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from arch_sweep import ARCHS, DOCS, arch_by_name
     from fuzz_common import run_verdict
     from fuzz_strategy import TIMEOUT_S, TOLERANCE, StratCase
+
     from helpers.launch import WarmPools
 
     runner = tp_sweep.run_tp_all_styles if args.all_styles else tp_sweep.run_tp

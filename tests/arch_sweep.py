@@ -893,6 +893,7 @@ def run_all(names: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     """Both modes on a fresh pool of :data:`WORLD` gloo processes (the script entry; tests use ``dist_pool``)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import arch_sweep  # the ranks unpickle functions of the importable module, not of __main__
+
     from helpers.launch import DistPool
 
     pool = DistPool(WORLD)

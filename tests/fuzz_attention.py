@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from fuzz_common import REFUSALS, refusal_or_raise
-from helpers.reference import reference_attention
 from hypothesis import assume
 from hypothesis import strategies as st
 
+from helpers.reference import reference_attention
 from lightning_longctx import gather_sequence, shard_sequence
 from lightning_longctx.attention import fpdt_attention, ulysses_attention
 from lightning_longctx.sharding import document_ids

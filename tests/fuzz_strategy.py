@@ -189,9 +189,9 @@ def run_strategy(case: StratCase) -> tuple[str, object]:
     import lightning as L
     import torch.distributed as dist
     from arch_sweep import arch_by_name, build_model
+
     from helpers.hf_models import HFModule
     from helpers.lightning import lightning_env
-
     from lightning_longctx import UlyssesFPDTStrategy
 
     assert dist.get_world_size() == case.world

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+
 from helpers.hf_models import tiny_model
 from helpers.lightning import compare_to_reference, fit_hf
-
 from lightning_longctx import UlyssesFPDTStrategy, enable_sequence_parallel
 from lightning_longctx.mesh import ParallelLayout
 

@@ -17,8 +17,8 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.hf_models import checkpointing_state, tiny_model
 
+from helpers.hf_models import checkpointing_state, tiny_model
 from lightning_longctx import UlyssesFPDTStrategy, enable_sequence_parallel, shard_batch
 from lightning_longctx.attention.offload import offloaded_bytes, track_offload_residency
 from lightning_longctx.checkpoint_offload import OffloadedCheckpoint

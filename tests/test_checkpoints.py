@@ -21,10 +21,10 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.hf_models import HFModule, TokenDataset, tiny_model
-from helpers.lightning import SEQ, lightning_env
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from helpers.hf_models import HFModule, TokenDataset, tiny_model
+from helpers.lightning import SEQ, lightning_env
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.checkpoint import (
     COMMIT_FILE,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from helpers.reference import packed_positions, reference_attention
 
 import lightning_longctx.attention.fpdt as fpdt_mod
 import lightning_longctx.attention.ulysses as ulysses_mod
 import lightning_longctx.integrations.context as context_mod
+from helpers.reference import packed_positions, reference_attention
 from lightning_longctx import gather_sequence, shard_sequence
 from lightning_longctx.attention import fpdt_attention, ulysses_attention
 from lightning_longctx.sharding import document_ids, global_positions
@@ -84,7 +84,6 @@ def test_global_positions_pads_like_shard_batch():
 def _hf_step_gathers(through_strategy: bool, checkpointing: bool) -> dict:
     """A tiny Llama with packed documents, forward + backward: how many position all-gathers ran."""
     from helpers.hf_models import tiny_model
-
     from lightning_longctx import enable_sequence_parallel, shard_batch
     from lightning_longctx.integrations.context import BatchPositions
     from lightning_longctx.integrations.transformers import context_of, enable_activation_checkpointing

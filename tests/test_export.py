@@ -16,11 +16,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+
 from helpers.hf_models import TINY_LLAMA as TINY
 from helpers.hf_models import HFModule, TokenDataset, tiny_config, tiny_model
 from helpers.lightning import SEQ, lightning_env
 from helpers.lora import lora_model
-
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.checkpoint import PARTIAL_PREFIX, commit_info, step_checkpoint_path
 from lightning_longctx.cli import main as cli_main

@@ -7,8 +7,8 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.reference import packed_positions, reference_attention
 
+from helpers.reference import packed_positions, reference_attention
 from lightning_longctx import gather_sequence, shard_sequence
 from lightning_longctx.attention.common import spread_kv_heads
 from lightning_longctx.attention.fpdt import fpdt_attention

@@ -17,9 +17,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+
 from helpers.hf_models import tiny_model
 from helpers.reference import reference_attention
-
 from lightning_longctx import chunked_lm_head_cross_entropy, enable_sequence_parallel, shard_batch, tile_mlp_
 from lightning_longctx.attention import fused
 from lightning_longctx.attention.common import MaskSpec

@@ -7,10 +7,10 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch.distributed as dist
+
 from helpers.hf_models import HFModule, TokenDataset
 from helpers.lightning import lightning_env
 from helpers.lora import MODES, TARGETS, SeenPatched, lora_errors, lora_model
-
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.integrations.transformers import context_of
 

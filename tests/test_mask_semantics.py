@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from helpers.reference import packed_positions
 from transformers import AttentionInterface, LlamaForCausalLM
 from transformers.masking_utils import (
     AttentionMaskInterface,
@@ -34,6 +33,7 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
+from helpers.reference import packed_positions
 from lightning_longctx import disable_sequence_parallel, enable_sequence_parallel, shard_batch
 from lightning_longctx.attention.common import MaskSpec
 from lightning_longctx.integrations.masks import MaskPattern, RefusedMask, classify_mask_function, pattern_of

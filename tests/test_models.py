@@ -8,9 +8,9 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+
 from helpers.hf_models import TINY_LLAMA as TINY
 from helpers.lightning import lightning_env
-
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.recipes import CausalLM, RecallDataModule, warmup_cosine
 

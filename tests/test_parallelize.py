@@ -77,7 +77,6 @@ def _lightning_free_step(chunk: int | None, flatten: bool) -> dict:
     import copy
 
     from helpers.hf_models import tiny_model
-
     from lightning_longctx import shard_batch
     from lightning_longctx.integrations.transformers import context_of
     from lightning_longctx.parallelize import parallelize

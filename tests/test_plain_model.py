@@ -13,10 +13,10 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.lightning import lightning_env
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_longctx
+from helpers.lightning import lightning_env
 from lightning_longctx import UlyssesFPDTStrategy
 
 # Spawned pool workers import this module by name to unpickle the functions below: they run this

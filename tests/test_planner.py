@@ -768,7 +768,6 @@ def test_tensor_parallel_splits_mixtrals_experts_not_its_router():
     """Mixtral: the packed gate/up experts column-wise, down row-wise, the router (``mlp.gate``) and norms whole.
     (plan_memory itself does not plan mixture-of-experts configs: their dims; this is its parameter count.)"""
     from helpers.hf_models import tiny_config, tiny_model
-
     from lightning_longctx.planner.shapes import _count_params, _TPSplit
 
     model = tiny_model("mixtral")

@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
 from helpers.hf_models import HFModule, TokenDataset, tiny_model
 from helpers.lightning import lightning_env
 from helpers.reference import packed_positions
-from torch.utils.data import DataLoader
-
 from lightning_longctx import UlyssesFPDTStrategy, sequence_parallel_cross_entropy
 from lightning_longctx.callbacks import PositionalLoss
 from lightning_longctx.callbacks.positional_loss import METRIC_PREFIX, bucket_edges

@@ -24,12 +24,12 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.hf_models import HFModule, TokenDataset, tiny_model
-from helpers.lightning import lightning_env
 from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector
 
+from helpers.hf_models import HFModule, TokenDataset, tiny_model
+from helpers.lightning import lightning_env
 from lightning_longctx import UlyssesFPDTStrategy, preemption
 from lightning_longctx.callbacks import Preempted, Preemption
 from lightning_longctx.checkpoint import COMMIT_FILE, commit, commit_info, latest_checkpoint, partial_path

@@ -12,9 +12,9 @@ import copy
 
 import pytest
 import torch
+
 from helpers.hf_models import tiny_config, tiny_model
 from helpers.lightning import compare_to_reference, fit_hf
-
 from lightning_longctx import disable_sequence_parallel, enable_sequence_parallel
 from lightning_longctx.integrations.rope import rope_limit
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.reference import packed_positions, reference_attention
 
+from helpers.reference import packed_positions, reference_attention
 from lightning_longctx import gather_sequence, shard_sequence, ulysses_attention
 from lightning_longctx.attention.common import local_heads
 from lightning_longctx.attention.fpdt import fpdt_attention

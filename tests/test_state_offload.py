@@ -18,10 +18,10 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+
 from helpers.hf_models import HFModule, TokenDataset, reference_training, tiny_model
 from helpers.lightning import SEQ, lightning_env
 from helpers.lora import MODES, SeenPatched, lora_errors, lora_model
-
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.recipes import CausalLM
 

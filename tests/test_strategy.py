@@ -6,9 +6,9 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+
 from helpers.hf_models import HFModule, TokenDataset, reference_training, tiny_model
 from helpers.lightning import SEQ, compare_to_reference, fit_hf, lightning_env
-
 from lightning_longctx import UlyssesFPDTStrategy
 
 CASES = {

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers.hf_models import HFModule, reference_training, tiny_config, tiny_model
-from helpers.lightning import lightning_env
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from helpers.hf_models import HFModule, reference_training, tiny_config, tiny_model
+from helpers.lightning import lightning_env
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.sharding import shift_labels
 

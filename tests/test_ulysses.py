@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.reference import packed_positions, reference_attention
 
+from helpers.reference import packed_positions, reference_attention
 from lightning_longctx import gather_sequence, shard_sequence, ulysses_attention
 from lightning_longctx.comm import count_all_to_all
 

@@ -11,9 +11,9 @@ import os
 
 import lightning as L
 import torch.distributed as dist
+
 from helpers.hf_models import HFModule, TokenDataset, checkpointing_state, reference_training, tiny_model
 from helpers.launch import rank_environment
-
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.integrations.transformers import context_of
 

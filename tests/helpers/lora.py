@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from helpers.hf_models import TokenDataset, reference_training, tiny_model
 
+from helpers.hf_models import TokenDataset, reference_training, tiny_model
 from lightning_longctx.integrations.transformers import context_of
 
 SEQ, STEPS = 24, 2

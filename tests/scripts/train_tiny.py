@@ -23,7 +23,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from helpers.hf_models import HFModule, TokenDataset, tiny_model
-
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.callbacks import PeriodicCheckpoint
 from lightning_longctx.checkpoint import latest_checkpoint
