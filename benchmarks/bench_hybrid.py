@@ -12,6 +12,10 @@ processes of one thread each, Ulysses (``enable_sequence_parallel``).
   (``count.bytes_sent``) beside :func:`attention_formula`.
 * **time**: the median forward + backward of the gated DeltaNet module alone (``model.layers[0].linear_attn``)
   on its shard of N/P tokens, max over ranks, divided by the same module on all N tokens in one process.
+* **packed**: the same sample packed with documents of 1/16 to 1/4 of N tokens (:func:`packed_positions`;
+  position ids restarting at 0): the exchange bytes (the same formula: a piece per document changes no
+  summary's size) and the layer's time per rank beside the unpacked one (``packed_ratio``), where the layer
+  runs one piece per document behind zero tokens (``integrations/hybrid/base.py``, ``Documents``).
 """
 
 from __future__ import annotations
@@ -54,6 +58,19 @@ def attention_formula(seq_len: int, world: int) -> float:
     d, kv = SHAPE["head_dim"], SHAPE["num_key_value_heads"]
     kv_sent = kv * (world // math.gcd(kv, world))
     return 2 * (world - 1) / world * (seq_len // world) * d * (2 * SHAPE["num_attention_heads"] + 2 * kv_sent) * FP32  # fmt: skip
+
+
+def packed_positions(seq_len: int) -> Any:
+    """``(1, N)`` position ids of documents of N/16 .. N/4 tokens (seeded), restarting at 0 per document."""
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    pos, start = torch.zeros(1, seq_len, dtype=torch.long), 0
+    while start < seq_len:
+        n = min(seq_len - start, int(torch.randint(seq_len // 16, seq_len // 4 + 1, (), generator=g)))
+        pos[0, start : start + n] = torch.arange(n)
+        start += n
+    return pos
 
 
 def _model(seq_len: int) -> Any:
@@ -100,6 +117,11 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
         model(**batch).loss.backward()
     row = {"exchange_bytes": count.exchange_bytes, "attention_bytes": count.bytes_sent}
     row["mixer_s"] = _time_mixer(mixer, args.seq_len // world, args.repeats, dist.barrier)
+    packed = {"input_ids": ids, "labels": ids.clone(), "position_ids": packed_positions(args.seq_len)}
+    with count_all_to_all() as count:  # records the packed batch's documents: the mixer below reads them
+        model(**shard_batch(packed, group=dist.group.WORLD)).loss.backward()
+    row["packed_exchange_bytes"] = count.exchange_bytes
+    row["packed_mixer_s"] = _time_mixer(mixer, args.seq_len // world, args.repeats, dist.barrier)
     dist.destroy_process_group()
     return row
 
@@ -125,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
          "formula": attention_formula(args.seq_len, args.world)},
     ]  # fmt: skip
     timing = {"one_process_s": ref["mixer_s"], "per_rank_s": mixer_s, "ratio": mixer_s / ref["mixer_s"]}
+    packed_s = max(r["packed_mixer_s"] for r in results)
+    packed = {"documents": int((packed_positions(args.seq_len) == 0).sum()), "per_rank_s": packed_s,
+              "ratio_to_unpacked": packed_s / mixer_s, "formula": halo + scan,
+              "exchange_bytes_per_rank": max(r["packed_exchange_bytes"] for r in results)}  # fmt: skip
     print(f"Qwen3.5-style layers, N = {args.seq_len}, P = {args.world}, fp32, one thread per rank")
     print(common.format_table(rows, [("what", "per layer, fwd + bwd", ""), ("bytes_per_rank", "bytes / rank", ","),
                                      ("formula", "formula", ",.0f")]))  # fmt: skip
@@ -133,8 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         f"P = {args.world}, {args.seq_len // args.world} tokens per rank {mixer_s:.3f} s (max over ranks): "
         f"{timing['ratio']:.2f}x"
     )
-    common.save_results("hybrid", vars(args), {"shape": SHAPE, "rows": rows, "timing": timing}, args.out)
-    return 0 if all(r["bytes_per_rank"] == r["formula"] for r in rows) else 1
+    print(
+        f"packed ({packed['documents']} documents): {packed_s:.3f} s per rank, {packed['ratio_to_unpacked']:.2f}x "
+        f"the unpacked layer; state exchange {packed['exchange_bytes_per_rank']:,} bytes / rank (formula "
+        f"{packed['formula']:,})"
+    )
+    data = {"shape": SHAPE, "rows": rows, "timing": timing, "packed": packed}
+    common.save_results("hybrid", vars(args), data, args.out)
+    exact = all(r["bytes_per_rank"] == r["formula"] for r in rows)
+    return 0 if exact and packed["exchange_bytes_per_rank"] == packed["formula"] else 1
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ imports no recipe; jsonargparse imports the class when it parses the config.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +37,7 @@ from lightning_longctx import export, plan_cli, slurm
 from lightning_longctx.callbacks.progress import step_aware_progress_bar
 from lightning_longctx.checkpoint import commit_info, latest_checkpoint
 
-__all__ = ["LongCtxCLI", "main"]
+__all__ = ["LongCtxCLI", "main", "torchrun_world"]
 
 DEFAULT_MODEL = "lightning_longctx.recipes.CausalLM"
 #: ``--ckpt_path auto``: the newest committed checkpoint of the run, or a fresh start when there is none
@@ -57,9 +58,49 @@ def auto_checkpoint(trainer: L.Trainer) -> Path | None:
     return max(found, key=lambda path: int((commit_info(path) or {}).get("global_step", -1)))
 
 
+def _device_count(devices: Any) -> int | None:
+    """The number of devices a Trainer's ``devices`` asks for; None for "all of them" (``"auto"``, -1, None)."""
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text in ("auto", "-1", ""):
+            return None
+        if "," in text:  # GPU ids, "0,1"
+            return len([i for i in text.split(",") if i.strip()])
+        devices = int(text)
+    return None if devices is None or devices == -1 else int(devices)
+
+
+def torchrun_world(devices: Any = "auto", num_nodes: Any = 1) -> tuple[Any, Any]:
+    """``(devices, num_nodes)`` for the Trainer. Under torchrun (``TORCHELASTIC_RUN_ID`` set: Lightning's test)
+    the world is torchrun's, ``LOCAL_WORLD_SIZE`` processes per node on ``WORLD_SIZE / LOCAL_WORLD_SIZE`` nodes:
+    ``devices="auto"`` (or None, -1) takes the first, ``num_nodes=1`` (Lightning's default) the second, and a
+    count that disagrees raises a ValueError that names both and the fix (Lightning would stop at its launcher,
+    ``devices=2`` against world size 8). Elsewhere both are returned as given."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "LOCAL_WORLD_SIZE" not in os.environ:
+        return devices, num_nodes
+    world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    nodes = world // local
+    asked = _device_count(devices)
+    wrong = [f"devices={devices}"] if asked is not None and asked != local else []
+    if int(num_nodes or 1) not in (1, nodes):
+        wrong.append(f"num_nodes={num_nodes}")
+    if wrong or world % local:
+        raise ValueError(
+            f"{' and '.join(wrong) or 'this launch'}: torchrun started {world} processes, {local} per node "
+            f"(WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}), and under torchrun the world is what it started. "
+            f"Leave devices at 'auto' (num_nodes at 1) to take torchrun's, set devices={local} and "
+            f"num_nodes={nodes}, or launch torchrun with --nproc_per_node {asked or local} --nnodes "
+            f"{int(num_nodes or 1)}"
+        )
+    return (local if asked is None else devices), nodes
+
+
 class LongCtxCLI(LightningCLI):
-    """LightningCLI with ``CausalLM`` as the default ``--model`` class and a progress bar that reads
-    right for step-based runs ("Epoch 0" and steps up to ``max_steps``, not Lightning's "Epoch 0/-2")."""
+    """LightningCLI with ``CausalLM`` as the default ``--model`` class, a progress bar that reads right for
+    step-based runs ("Epoch 0" and steps up to ``max_steps``, not Lightning's "Epoch 0/-2"), and under torchrun
+    the devices and nodes torchrun started (:func:`torchrun_world`)."""
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -68,6 +109,12 @@ class LongCtxCLI(LightningCLI):
     @override
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
         config = self.config_init.get(str(self.subcommand), self.config_init).get("trainer", {})
+        # under torchrun the world is torchrun's (a config's devices: auto takes it; a different count is refused)
+        devices, num_nodes = torchrun_world(
+            kwargs.get("devices", config.get("devices", "auto")),
+            kwargs.get("num_nodes", config.get("num_nodes", 1)),
+        )
+        kwargs.update(devices=devices, num_nodes=num_nodes)
         callbacks = list(kwargs.get("callbacks", config.get("callbacks")) or [])
         if config.get("enable_progress_bar", True) is not False and not any(
             isinstance(c, ProgressBar) for c in callbacks

@@ -313,7 +313,11 @@ def _lora_config(source: dict[str, Any] | str | os.PathLike[str] | None, keys: S
         path = Path(source)
         source = json.loads((path / "adapter_config.json" if path.is_dir() else path).read_text())
     names = {f.name for f in dataclasses.fields(LoraConfig) if f.init}
-    return LoraConfig(**{k: v for k, v in source.items() if k in names})
+    fields = {k: v for k, v in source.items() if k in names}
+    # the model is a causal LM (a CausalLM's `lora` leaves it implicit): its adapter folder says so, for
+    # peft's AutoPeftModelForCausalLM
+    fields["task_type"] = fields.get("task_type") or "CAUSAL_LM"
+    return LoraConfig(**fields)
 
 
 def _build(config: Any, dtype: torch.dtype, lora: Any) -> nn.Module:

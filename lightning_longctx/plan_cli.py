@@ -6,12 +6,15 @@ Usage (the console script routes ``lightning-longctx plan ...`` here)::
     lightning-longctx plan --config examples/configs/llama3_8b_500k_1gpu.yaml --device-memory 80GiB --host-memory 1TB
     lightning-longctx plan --config my.yaml --seq-len 262144 --json
 
-Read from the YAML: ``model.init_args.model_config`` (or ``pretrained_path``, a local directory),
+Read from the YAML: ``model.init_args.model_config`` (or ``pretrained_path``, a local directory: only its
+``config.json`` is read, so a folder holding just that file plans the model; ``--pretrained-path DIR`` reads it
+from another folder, e.g. on a laptop without the weights),
 ``model.init_args.dtype`` and ``activation_checkpointing``; ``trainer.devices``, ``num_nodes``,
 ``precision``, ``accelerator`` and ``strategy`` (``UlyssesFPDTStrategy`` with its ``init_args``, e.g.
 ``activation_offload``, or a
 registered name such as ``ulysses_fpdt``); ``data.init_args.seq_len`` and ``batch_size``. The host's
-devices default to ``trainer.devices``; ``--host-memory`` is per host (node).
+devices default to ``trainer.devices``; ``--host-memory`` is per host (node). ``accelerator: cpu`` plans a CPU
+run: no CUDA context in the device reserve.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ from lightning_longctx.planner import (
     MemoryPlan,
     format_bytes,
     longest_sequence,
-    parallel_kwargs,
     parse_bytes,
     plan_memory,
+    step_plan_kwargs,
 )
 
 __all__ = ["main", "plan_kwargs_from_config", "slurm_suggestion"]
@@ -68,22 +71,45 @@ def _strategy_settings(strategy: Any) -> tuple[dict[str, Any], str | None]:
     return {"sequence_parallel_size": 1}, f"strategy {strategy!r} is not UlyssesFPDTStrategy"
 
 
+def _pretrained_config(path: str, overrides: dict[str, Any] | None, given: bool) -> Any:
+    """The config of the pretrained model at ``path`` (only its ``config.json`` is read: no weights needed), or
+    a ValueError naming the path and the fix when this machine does not have it."""
+    folder = Path(path).expanduser()
+    where = "--pretrained-path" if given else "model.init_args.pretrained_path"
+    missing = f"{where}={path!r}: " + (
+        "no config.json in that folder" if folder.is_dir() else "not on this machine"
+    )
+    fix = (
+        "; the plan reads only the model's config.json (no weights): pass --pretrained-path DIR, a local "
+        "folder holding it, or give the model's shape as model.init_args.model_config"
+    )
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        raise ValueError(missing + fix)
+    try:
+        return build_config(None, path, overrides)
+    except OSError:  # neither a local folder nor a Hub name in the Hugging Face cache (nothing is downloaded)
+        cache = "" if folder.is_absolute() or path.startswith(".") else " (nor in the Hugging Face cache)"
+        raise ValueError(missing + cache + fix) from None
+
+
 def plan_kwargs_from_config(
-    config: dict[str, Any], *, seq_len: int | None = None
+    config: dict[str, Any], *, seq_len: int | None = None, pretrained_path: str | None = None
 ) -> tuple[Any, dict[str, Any], list[str]]:
-    """``(model config, plan_memory keyword arguments, notes)`` from a parsed LightningCLI config."""
+    """``(model config, plan_memory keyword arguments, notes)`` from a parsed LightningCLI config;
+    ``pretrained_path``: a folder to read the model's ``config.json`` from instead of the config's model."""
     trainer = config.get("trainer") or {}
     model_args = (config.get("model") or {}).get("init_args") or {}
     data_args = (config.get("data") or {}).get("init_args") or {}
     notes: list[str] = []
 
     overrides = model_args.get("config_overrides")  # CausalLM's: the planned model is the trained one
-    if model_args.get("model_config") is not None:
+    if pretrained_path is not None or model_args.get("pretrained_path") is not None:
+        path = pretrained_path if pretrained_path is not None else model_args["pretrained_path"]
+        model = _pretrained_config(str(path), overrides, given=pretrained_path is not None)
+    elif model_args.get("model_config") is not None:
         model = dict(model_args["model_config"])
         if overrides:
             model = build_config(model, None, overrides)
-    elif model_args.get("pretrained_path") is not None:
-        model = build_config(None, model_args["pretrained_path"], overrides)
     else:
         raise ValueError(
             "the config has no model.init_args.model_config or pretrained_path to read the model from"
@@ -104,15 +130,19 @@ def plan_kwargs_from_config(
     n = seq_len if seq_len is not None else data_args.get("seq_len")
     if n is None:
         raise ValueError("no sequence length: the config has no data.init_args.seq_len; pass --seq-len")
-    kwargs = {
-        "seq_len": int(n),
-        **parallel_kwargs(cfg),
-        "micro_batch_size": int(data_args.get("batch_size", 1)),
-        "precision": str(trainer.get("precision", "32-true")),
-        "param_dtype": model_args.get("dtype"),
-    }
-    if model_args.get("activation_checkpointing"):  # CausalLM's own flag
-        kwargs["activation_checkpointing"] = True
+    kwargs = step_plan_kwargs(  # the strategy's fit check plans its first step through the same mapping
+        cfg,
+        seq_len=int(n),
+        micro_batch_size=int(data_args.get("batch_size", 1)),
+        precision=str(trainer.get("precision", "32-true")),
+        param_dtype=model_args.get("dtype"),
+        activation_checkpointing=bool(model_args.get("activation_checkpointing")),  # CausalLM's own flag
+        device_type=device_type,  # a CPU run's device reserve has no CUDA context
+    )
+    lora = model_args.get("lora")  # CausalLM's peft LoRA: frozen base weights, rank-r adapters
+    if lora:
+        kwargs["lora_rank"] = int(lora.get("r", 8))  # peft's default rank
+        kwargs["lora_targets"] = lora.get("target_modules") or "all-linear"
     return model, kwargs, notes
 
 
@@ -129,8 +159,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GiB, 141GB; adds the longest sequence that fits")  # fmt: skip
     p.add_argument("--host-memory", default=None, help="memory per host (node), e.g. 1.9TB; fits and the longest sequence respect it too")  # fmt: skip
     p.add_argument("--devices-per-host", type=int, default=None, help="devices sharing one host's memory (default: trainer.devices)")  # fmt: skip
-    p.add_argument("--device-reserve", default=None, help="device bytes outside the plan (default: 1 GiB CUDA context + 5%% of the peak)")  # fmt: skip
+    p.add_argument("--device-reserve", default=None, help="device bytes outside the plan (default: 5%% of the peak, plus 1 GiB for the CUDA context unless trainer.accelerator is cpu)")  # fmt: skip
     p.add_argument("--host-reserve", default=None, help="host bytes per rank outside the plan (default: 4 GiB, the process)")  # fmt: skip
+    p.add_argument("--pretrained-path", default=None, help="a local folder with the model's config.json, read instead of the config's model (no weights needed: plan a pretrained_path that is not on this machine)")  # fmt: skip
     p.add_argument("--lora-rank", type=int, default=None, help="plan LoRA adapters of this rank on every linear layer of the blocks (frozen base weights)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     p.add_argument("--gpu", default=None, help="also estimate the step time, tokens/s and MFU on this device kind: a100-40gb, a100-80gb, h100, h200, b200, or cpu (measured here by a short calibration)")  # fmt: skip
@@ -217,7 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not path.is_file():
             raise ValueError(f"--config {args.config}: no such file")
         config = yaml.safe_load(path.read_text()) or {}
-        model, kwargs, notes = plan_kwargs_from_config(config, seq_len=args.seq_len)
+        model, kwargs, notes = plan_kwargs_from_config(
+            config, seq_len=args.seq_len, pretrained_path=args.pretrained_path
+        )
         memory = None if args.device_memory is None else parse_bytes(args.device_memory)
         given = {"host_memory": args.host_memory, "devices_per_host": args.devices_per_host,
                  "device_reserve": args.device_reserve, "host_reserve": args.host_reserve,
@@ -231,8 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 model, device_memory=memory, sequence_parallel_size=kwargs["sequence_parallel_size"], **search
             )
         timing = _step_time(args, model, kwargs, (config.get("trainer") or {}).get("max_steps"))
-    except ValueError as err:
-        parser.print_usage(sys.stderr)
+    except ValueError as err:  # a config or a value the plan cannot take: one line, no traceback
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
     if args.json:

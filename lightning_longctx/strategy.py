@@ -11,9 +11,11 @@ What it wires together (each part lives in its own module):
     only its tokens' share of the gradient of the SP group's global-mean loss (docs/user_guide.md,
     "Loss semantics").
 
-Built on ``DDPStrategy`` rather than ``ModelParallelStrategy``: the parameters are replicated (no
-tensor parallelism), DDP's bucketed all-reduce over the whole world is exactly the reduction needed,
-and checkpoints (``checkpoint.py``) are sharded directories every rank writes that resume at any layout.
+Built on ``DDPStrategy`` rather than ``ModelParallelStrategy``: with ``data_parallel="ddp"`` the parameters
+are replicated and DDP's bucketed all-reduce over the whole world is exactly the reduction needed; with
+``"fsdp"`` (and tensor parallelism, ``tensor_parallel_size``) the one ``parallelize`` call shards them instead
+and the DDP machinery is never built (docs/architecture.md). Checkpoints (``checkpoint.py``) are sharded
+directories every rank writes that resume at any layout.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -48,11 +50,20 @@ from lightning_longctx.config import (
     ResolvedConfig,
     SequenceParallelConfig,
 )
+from lightning_longctx.fit_check import (
+    Unplannable,
+    check_first_step,
+    device_capacity,
+    enabled,
+    fit_check_capacity,
+)
 from lightning_longctx.fsdp import MIXED_PRECISION_DTYPES
 from lightning_longctx.integrations.context import BatchPositions, SequenceParallelContext
-from lightning_longctx.integrations.hybrid.base import halo_error, packed_documents_error
+from lightning_longctx.integrations.hybrid import packed_documents_refusal
+from lightning_longctx.integrations.hybrid.base import halo_error
 from lightning_longctx.mesh import ParallelLayout, WorldMesh, build_world_mesh
 from lightning_longctx.parallelize import Parallelized, data_parallel_for, parallelize
+from lightning_longctx.planner import MemoryPlan
 from lightning_longctx.sharding import global_positions, shard_batch
 from lightning_longctx.token_mean import TokenMeanWindow
 
@@ -141,6 +152,18 @@ class UlyssesFPDTStrategy(DDPStrategy):
         timeout: as in ``DDPStrategy``.
         gradient_as_bucket_view: DDP's, but True by default here (the gradients live in DDP's buckets,
             not in a second copy).
+        fit_check: plan the first training step with the memory planner against the device's memory before
+            it runs, and refuse it where it will not fit, naming the planned peak, its largest terms, the
+            capacity and the cheapest settings that fit (``fit_check.py``; :attr:`fit_plan` holds the plan).
+            ``"auto"`` (default): on CUDA, or wherever ``fit_check_device_memory`` is given; ``True``: always
+            (off CUDA it needs ``fit_check_device_memory``); ``False``: never. A step that fits with less than
+            5 % of the memory free is warned about; a model the planner cannot plan (no transformers model,
+            mixture of experts, an optimizer other than AdamW / Adam / plain SGD, ...) is not checked (one
+            info line says why).
+        fit_check_device_memory: the memory per device to plan against instead of the device's total: a size
+            (``"80GiB"``, ``"141GB"``, bytes) or a device kind of the planner (``"a100-40gb"``, ``"a100-80gb"``,
+            ``"h100"``, ``"h200"``, ``"b200"``); on a CPU, which has no device memory to read, it turns the
+            check on (a CPU run's plan reserves no CUDA context).
         kwargs: the settings above, and ``DDPStrategy``'s own (e.g. DDP's ``find_unused_parameters``).
             Any other keyword raises a ``TypeError`` naming the closest setting, and so do DDP's
             keywords away from their defaults with ``data_parallel="fsdp"`` (FSDP2 would ignore them).
@@ -154,6 +177,8 @@ class UlyssesFPDTStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
         gradient_as_bucket_view: bool = True,
+        fit_check: bool | Literal["auto"] = "auto",
+        fit_check_device_memory: int | str | None = None,
         **kwargs: Any,
     ) -> None:
         settings = {name: kwargs.pop(name) for name in _CONFIG_FIELDS if name in kwargs}
@@ -182,6 +207,12 @@ class UlyssesFPDTStrategy(DDPStrategy):
         self._checked_batch = False
         #: tokens per FPDT chunk per rank for the current batch (plain models pass it to fpdt_attention)
         self.current_chunk_size: int | None = None
+        # the fit check (fit_check.py): the first training batch's step planned against the device's memory
+        self._fit_check = fit_check
+        self._fit_check_memory = fit_check_capacity(fit_check, fit_check_device_memory)  # None: the device's
+        self._fit_check_device = fit_check_device_memory  # as given, for the messages
+        self._fit_check_pending = fit_check is not False
+        self._fit_plan: MemoryPlan | None = None
 
     # ---- layout ----
     @property
@@ -534,6 +565,8 @@ class UlyssesFPDTStrategy(DDPStrategy):
         ids = batch.get("input_ids") if isinstance(batch, dict) else None
         if not self._checked_batch:
             self._check_batch_across_ranks(ids)
+        if self._fit_check_pending and self.lightning_module.trainer.training:
+            self._check_first_step_fits(batch)
         chunk = self.chunk_size_for(ids.shape[1]) if isinstance(ids, Tensor) else None
         self.current_chunk_size = chunk
         if self._token_mean_active and self.lightning_module.trainer.training:
@@ -553,6 +586,53 @@ class UlyssesFPDTStrategy(DDPStrategy):
             self._check_hybrid_batch(out["position_ids"].shape[-1], chunk)
         self._batches_sharded += 1
         return out
+
+    # ---- the fit check (fit_check.py) ----
+    @property
+    def fit_plan(self) -> MemoryPlan | None:
+        """The memory plan of the first training step the fit check made (``plan.table()`` prints it): ``None``
+        before it, or when the check was off or could not plan the model."""
+        return self._fit_plan
+
+    def _check_first_step_fits(self, batch: Any) -> None:
+        """The first training batch, before its forward: plan its step (no collective; alike on every rank)
+        against the device's memory, the smallest of all ranks', and refuse it on every rank where it does not
+        fit (the verdicts agreed by one all-reduce); a model the planner cannot plan is not checked."""
+        self._fit_check_pending = False
+        capacity, device = self._fit_check_memory, self.root_device
+        if not enabled(self._fit_check, capacity, device.type):
+            return
+        where = f"fit_check_device_memory={self._fit_check_device!r}"
+        if capacity is None:
+            total, where = device_capacity(device)
+            capacity = int(all_reduce_no_grad(torch.tensor([total], device=device), op="min")[0])
+        verdict = None
+        try:
+            verdict = check_first_step(
+                self.lightning_module,
+                list(self._parallelized.models),
+                self._raw_optimizers(),
+                self.config,
+                batch,
+                precision=self._precision,
+                capacity=capacity,
+                where=where,
+                device_type=device.type,
+            )
+        except Unplannable as why:
+            rank_zero_info(
+                f"UlyssesFPDTStrategy fit check skipped, the memory planner cannot plan this step: {why}"
+            )
+        except Exception as err:  # never fail a run because of the check itself
+            rank_zero_info(f"UlyssesFPDTStrategy fit check skipped: {type(err).__name__}: {err}")
+        refused = verdict is not None and not verdict.fits
+        if all_reduce_no_grad(torch.tensor([float(refused)], device=device), op="max")[0]:
+            raise ValueError(
+                verdict.message if refused else "the fit check refused the first step on another rank"
+            )
+        if verdict is not None:
+            self._fit_plan = verdict.plan
+            (rank_zero_warn if verdict.warn else rank_zero_info)(verdict.message)
 
     def _check_positions(self, batch: Mapping[str, Any], seq_len: int) -> None:
         """RoPE models: no position past what the model's rotary embedding covers (``integrations/rope.py``),
@@ -577,14 +657,19 @@ class UlyssesFPDTStrategy(DDPStrategy):
         hybrids = [ctx for ctx in self._contexts if ctx.num_mixers]
         if not hybrids:
             return
-        packed = any(ctx.positions is not None and ctx.positions.documents() is not None for ctx in hybrids)
+        # packed rows are exact where every mixer resets its state at a document start (hybrid/__init__.py)
+        # (the refusal depends on the mixers only, so every rank raises the same one)
+        refusal = next((r for r in map(packed_documents_refusal, hybrids) if r is not None), None)
+        packed = refusal is not None and any(
+            ctx.positions is not None and ctx.positions.documents() is not None for ctx in hybrids
+        )
         short = any((chunk or local_len) < ctx.mixer_halo for ctx in hybrids)
         flags = all_reduce_no_grad(
             torch.tensor([float(packed), float(short)], device=self.root_device), op="max"
         )
         ctx = hybrids[0]
         if flags[0]:
-            raise packed_documents_error(ctx.model_name)
+            raise refusal
         if flags[1]:
             raise halo_error(ctx.model_name, ctx.mixer_halo, chunk or local_len, local_len)
 

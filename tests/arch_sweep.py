@@ -840,7 +840,8 @@ def _run_one(arch: Arch, mode: str, group: Any) -> dict[str, Any]:
             return row
         grads = _flat_grads(sp_model)
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)  # the strategy SUMS gradients over the SP ranks
+        if group is not None:
+            dist.all_reduce(flat, group=group)  # the strategy SUMS gradients over the SP ranks
         grads = list(flat.split([g.numel() for g in grads]))
         scale = max(r.abs().max().item() for r in ref_grads)
         errs = {}
@@ -873,6 +874,13 @@ def sweep(mode: str, names: list[str] | None = None) -> list[dict[str, Any]]:
     group = dist.group.WORLD
     archs = ARCHS if names is None else [arch_by_name(n) for n in names]
     rows = [_run_one(arch, mode, group) for arch in archs]
+    return _merge(rows)
+
+
+def _merge(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every rank's rows -> one table, the same on every rank (a verdict the ranks disagree on is WRONG)."""
+    import torch.distributed as dist
+
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rows)
     merged = []
@@ -887,6 +895,133 @@ def sweep(mode: str, names: list[str] | None = None) -> list[dict[str, Any]]:
             row["loss_err"] = max(r["loss_err"] for r in per_rank)  # every rank returns the global loss
         merged.append(row)
     return merged
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packed documents on hybrids: a packed row against its documents run alone through the plain model
+# ---------------------------------------------------------------------------------------------------
+
+#: Document lengths of the packed rows (:data:`SEQ` tokens each). Starts at 0, 5, 6, 8, 17, 24 and 0, 16, 17:
+#: documents of one token (5, 16), starts exactly at a shard start (16 at P = 2; 8, 16, 24 at P = 4) and at
+#: FPDT chunk starts (8, 16, 24 with chunks of 4), documents across shards and chunks (8..16, 17..31).
+PACKED_DOCS = ((5, 1, 2, 9, 7, 8), (16, 1, 15))
+#: The hybrids whose packed rows are exact; the others refuse them by name (``hybrid/base.py``).
+PACKED_EXACT = ("lfm2", "qwen3_next", "qwen3_5_text", "jamba", "bamba", "falcon_h1", "granitemoehybrid",
+                "nemotron_h", "olmo_hybrid", "kimi_linear", "mamba", "mamba2", "falcon_mamba")  # fmt: skip
+#: float64 models; the kernels' own float32 insides (gated DeltaNet, Mamba-2) set the error floor.
+PACKED_TOLERANCE = 1e-5
+
+
+def make_packed_batch(vocab: int = VOCAB) -> dict[str, torch.Tensor]:
+    """:data:`PACKED_DOCS` packed into ``(BATCH, SEQ)`` rows: position ids restarting at 0 per document, the
+    first token of every document without a target (a packed row predicts no token across a document start)
+    and a 2-token prompt in the longest ones."""
+    g = torch.Generator().manual_seed(4321)
+    ids = torch.randint(3, vocab, (BATCH, SEQ), generator=g)
+    labels, pos = ids.clone(), torch.zeros_like(ids)
+    for row, lengths in enumerate(PACKED_DOCS):
+        assert sum(lengths) == SEQ and len(PACKED_DOCS) == BATCH
+        start = 0
+        for n in lengths:
+            pos[row, start : start + n] = torch.arange(n)
+            labels[row, start : start + (2 if n >= 8 else 1)] = -100
+            start += n
+    return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+
+def _documents_alone(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> float:
+    """The packed rows' loss as one process computes it from each document run ALONE through the plain
+    model (summed token losses over the batch's valid targets); backward runs, gradients are left on."""
+    import torch.nn.functional as F
+
+    valid = int((batch["labels"][:, 1:] != -100).sum())  # every target is inside its document (see above)
+    total = 0.0
+    for row, lengths in enumerate(PACKED_DOCS):
+        start = 0
+        for n in lengths:
+            if n > 1:  # a one-token document has no target
+                ids = batch["input_ids"][row : row + 1, start : start + n]
+                labels = batch["labels"][row, start + 1 : start + n]
+                logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+                loss = F.cross_entropy(logits.double(), labels, ignore_index=-100, reduction="sum") / valid
+                loss.backward()
+                total += loss.item()
+            start += n
+    return total
+
+
+def _run_packed(arch: Arch, mode: str, group: Any, checkpointing: bool = False) -> dict[str, Any]:
+    """One hybrid, packed rows, float64: loss and every gradient against :func:`_documents_alone`;
+    ``checkpointing``: the sequence-parallel model recomputes its layers in backward (transformers' gradient
+    checkpointing), where the mixers read the batch's documents from the context."""
+    import torch.distributed as dist
+
+    from lightning_longctx import disable_sequence_parallel, enable_sequence_parallel, shard_batch
+
+    chunk = MODES[mode]
+    start = time.perf_counter()
+    packed_arch = Arch(arch.name, arch.model_class, arch.config_class, arch.what,
+                       {**arch.overrides, "output_router_logits": False}, arch.moe)  # fmt: skip
+    model = build_model(packed_arch).double()
+    model.config._experts_implementation = "eager"  # grouped_mm takes no float64
+    sp_model = copy.deepcopy(model)
+    batch = make_packed_batch()
+    names = [n for n, _ in model.named_parameters()]
+    row: dict[str, Any] = {"arch": arch.name, "mode": mode, "verdict": "WRONG", "reason": "", "where": ""}
+    if checkpointing:
+        sp_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        try:
+            enable_sequence_parallel(sp_model, group=group, mode=mode, chunk_size=chunk)
+            loss = sp_model(**shard_batch(batch, group=group, chunk_size=chunk)).loss
+        except REFUSALS as e:
+            row["where"] = _where(e)
+            if _raised_by_package(e):
+                row.update(verdict="refused", reason=_clean(str(e)))
+            else:
+                row["reason"] = f"crashed in the first forward ({type(e).__name__}: {_clean(str(e))})"
+            return row
+        ref_loss = _documents_alone(model, batch)  # after the forward: a refused model needs no reference
+        ref_grads = _flat_grads(model)
+        loss.backward()
+        grads = _flat_grads(sp_model)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if group is not None:
+            dist.all_reduce(flat, group=group)  # the strategy SUMS gradients over the SP ranks
+        grads = list(flat.split([g.numel() for g in grads]))
+        scale = max(r.abs().max().item() for r in ref_grads)
+        errs = {
+            name: (g.reshape(r.shape) - r).abs().max().item() / max(r.abs().max().item(), GRAD_FLOOR * scale)
+            for name, g, r in zip(names, grads, ref_grads)
+        }
+        worst = max(errs, key=errs.get)
+        loss_err = abs(loss.item() - ref_loss) / abs(ref_loss)
+        row.update(
+            loss_err=loss_err, grad_err=errs[worst], worst_param=worst, ref_loss=ref_loss, loss=loss.item()
+        )
+        if loss_err <= PACKED_TOLERANCE and errs[worst] <= PACKED_TOLERANCE:
+            row["verdict"] = "exact"
+        else:
+            row["bad_params"] = sorted(n for n, e in errs.items() if e > PACKED_TOLERANCE)
+            row["reason"] = "the loss differs" if loss_err > PACKED_TOLERANCE else "gradients differ"
+        return row
+    except Exception as e:
+        row.update(reason=f"crashed ({type(e).__name__}: {_clean(str(e))})", where=_where(e))
+        return row
+    finally:
+        disable_sequence_parallel(sp_model)
+        row["seconds"] = time.perf_counter() - start
+
+
+def sweep_packed(
+    mode: str, names: list[str] | None = None, checkpointing: bool = False
+) -> list[dict[str, Any]]:
+    """:func:`sweep` for packed rows of the hybrids (default: all of :data:`HYBRIDS`), on every rank."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if dist.is_initialized() else None  # None: one process, no process group
+    rows = [_run_packed(arch_by_name(n), mode, group, checkpointing) for n in (names or HYBRIDS)]
+    return rows if group is None else _merge(rows)
 
 
 def run_all(names: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
@@ -915,18 +1050,26 @@ that mixes tokens some other way sees only its own shard, so each kind of mixer 
 (`lightning_longctx/integrations/hybrid/`, one module per kind, around the kernel function the model calls:
 the fla / causal-conv1d / mamba-ssm kernel on GPU and the torch fallback on CPU take the same adapter):
 
-| mixer (models) | what crosses a shard edge | how it is made exact | bytes per rank per layer |
-| --- | --- | --- | --- |
-| causal short convolution, kernel k (LFM2; the conv in front of gated DeltaNet, Kimi delta attention, Mamba-1/2) | the k-1 inputs before each segment | `halo_exchange`: every segment receives the last k-1 inputs of the segment before it (another rank), the model's function runs on `[halo \\| segment]`; the gradient goes back | (k-1) x channels, each way |
-| gated DeltaNet, Kimi delta attention (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi-Linear) | the state S (heads x d_k x d_v) | the segment is affine in its entry state, `S_out = M S_in + B`: one call of the model's function with values `[v \\| 0]` from the entry state `[0 \\| I]` gives `o⁰`, `R`, `B`, `M`; `exclusive_affine_scan` (one all-gather of `[M \\| B]`) gives `S_in`; `o = o⁰ + R S_in` | (P-1) x heads x d_k x (d_k + d_v) fp32 forward, (P-1) x heads x d_k x d_v backward |
-| Mamba-2 SSD (Mamba-2, Bamba, Falcon-H1, Granite-4 hybrid, Nemotron-H) | the state (heads x d_head x d_state) | the same scan with a scalar decay per head `M = exp(A ΣΔ)` in closed form; `y += exp(A cumΔ_t) S_in C_t` | (P-1) x heads x (1 + d_head x d_state) fp32 forward |
-| Mamba-1 selective scan (Mamba, Falcon-Mamba, Jamba) | the diagonal state (d_inner x d_state) | the scan takes no entry state: `B_r` and the correction `C_t (exp(A cumΔ_t) ⊙ S_in)` (before the `silu(z)` gate) in closed form | (P-1) x 2 d_inner x d_state fp32 forward |
-| RG-LRU and its conv (RecurrentGemma) | the diagonal state (lru_width) and k-1 conv inputs | halo for the conv; `h = h⁰ + (∏ a) ⊙ S_in`, the reset at global position 0 | (P-1) x 2 lru_width |
-| lightning attention (MiniMax) | the state (heads x d x d), decay `λ` fixed per head | the forward's block loop per segment from zero, `o += λ^(t+1) q_t S_in`, `M = λ^c` | (P-1) x heads x d² |
-| RWKV-4 (token shift + WKV), xLSTM mLSTM | the previous token; a log-scale state `(num, den, max)` / `(C, n, m)` | a one-token halo for the shift; summaries from zero folded in log scale, then the model's own kernel run again from the true entry state (the output is a ratio, not affine) | (P-1) x 4 d_att (RWKV); (P-1) x heads x (d_qk d_v + d_qk + 2) (xLSTM) |
+| mixer (models) | what crosses a shard edge | how it is made exact | bytes per rank per layer | packed rows |
+| --- | --- | --- | --- | --- |
+| causal short convolution, kernel k (LFM2; the conv in front of gated DeltaNet, Kimi delta attention, Mamba-1/2) | the k-1 inputs before each segment | `halo_exchange`: every segment receives the last k-1 inputs of the segment before it (another rank), the model's function runs on `[halo \\| segment]`; the gradient goes back | (k-1) x channels, each way | exact: one piece per document behind zeros, the halo masked to its document |
+| gated DeltaNet, Kimi delta attention (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi-Linear) | the state S (heads x d_k x d_v) | the segment is affine in its entry state, `S_out = M S_in + B`: one call of the model's function with values `[v \\| 0]` from the entry state `[0 \\| I]` gives `o⁰`, `R`, `B`, `M`; `exclusive_affine_scan` (one all-gather of `[M \\| B]`) gives `S_in`; `o = o⁰ + R S_in` | (P-1) x heads x d_k x (d_k + d_v) fp32 forward, (P-1) x heads x d_k x d_v backward | exact: one piece per document, neutral tokens (`β = 0, g = 0`) in front; `M = 0` where a document starts |
+| Mamba-2 SSD (Mamba-2, Bamba, Falcon-H1, Granite-4 hybrid, Nemotron-H) | the state (heads x d_head x d_state) | the same scan with a scalar decay per head `M = exp(A ΣΔ)` in closed form; `y += exp(A cumΔ_t) S_in C_t` | (P-1) x heads x (1 + d_head x d_state) fp32 forward | exact: pieces from a zero state, the correction on the first piece only; `M = 0` where a document starts |
+| Mamba-1 selective scan (Mamba, Falcon-Mamba, Jamba) | the diagonal state (d_inner x d_state) | the scan takes no entry state: `B_r` and the correction `C_t (exp(A cumΔ_t) ⊙ S_in)` (before the `silu(z)` gate) in closed form | (P-1) x 2 d_inner x d_state fp32 forward | exact: as Mamba-2 (`B_r` from the last piece) |
+| RG-LRU and its conv (RecurrentGemma) | the diagonal state (lru_width) and k-1 conv inputs | halo for the conv; `h = h⁰ + (∏ a) ⊙ S_in`, the reset at global position 0 | (P-1) x 2 lru_width | refused |
+| lightning attention (MiniMax) | the state (heads x d x d), decay `λ` fixed per head | the forward's block loop per segment from zero, `o += λ^(t+1) q_t S_in`, `M = λ^c` | (P-1) x heads x d² | refused |
+| RWKV-4 (token shift + WKV), xLSTM mLSTM | the previous token; a log-scale state `(num, den, max)` / `(C, n, m)` | a one-token halo for the shift; summaries from zero folded in log scale, then the model's own kernel run again from the true entry state (the output is a ratio, not affine) | (P-1) x 4 d_att (RWKV); (P-1) x heads x (d_qk d_v + d_qk + 2) (xLSTM) | refused |
 
-Packed documents (position ids restarting at 0) are refused for these mixers: their state would flow from one
-document into the next (a plain Hugging Face model mixes them too). Train hybrids on one document per row.
+Packed documents (position ids restarting at 0): a packed row equals its documents run one by one through the
+plain model, on one device too (a plain Hugging Face model lets the state flow from one document into the next).
+Each segment runs one piece per document, right-aligned behind neutral zero tokens; only its first piece takes
+the entry state and the halo (masked to its own document: ids from the batch's global positions, no extra
+collective), and a segment holding a document start passes no earlier state on (`M = 0`), so gradients stop
+there too. Exact in float64 against each document run alone, P = 1, 2, 4, Ulysses and FPDT, activation
+checkpointing included (tests/test_hybrid_packed.py): LFM2, Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi-Linear,
+Jamba, Bamba, Falcon-H1, Granite-4 hybrid, Nemotron-H, Mamba, Mamba-2, Falcon-Mamba (Zamba2 takes the same
+Mamba-2 adapter). RecurrentGemma, MiniMax, RWKV and xLSTM refuse packed rows, naming the mixer: train them on
+one document per row.
 """
 
 

@@ -324,3 +324,63 @@ def test_fit_under_slurm_uses_the_dp_sp_mesh(dist_pool):
         assert got["sp_group"] == [2 * (rank // 2), 2 * (rank // 2) + 1], "sp must stay inside a node"
         assert got["dp_group"] == [rank % 2, rank % 2 + 2]
         assert got["sampler"] == got["train_sampler"] == {"num_replicas": 2, "rank": rank // 2}
+
+
+# ---- torchrun: the world is what torchrun started ----
+
+
+def _fake_torchrun(monkeypatch: pytest.MonkeyPatch, *, world: int, local: int) -> None:
+    """Rank 0 of a torchrun launch of ``world`` processes, ``local`` per node (no process is started)."""
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    env = {"TORCHELASTIC_RUN_ID": "test", "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": local, "RANK": 0,
+           "LOCAL_RANK": 0, "GROUP_RANK": 0, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}  # fmt: skip
+    for key, value in env.items():
+        monkeypatch.setenv(key, str(value))
+
+
+def test_torchrun_world_takes_torchruns_and_refuses_a_count_that_disagrees(monkeypatch):
+    from lightning_longctx.cli import torchrun_world
+
+    for key in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert torchrun_world("auto", 1) == ("auto", 1)  # not under torchrun: as given
+    _fake_torchrun(monkeypatch, world=16, local=8)
+    assert torchrun_world("auto", 1) == torchrun_world(None, None) == torchrun_world(-1, 2) == (8, 2)
+    assert torchrun_world(8, 1) == (8, 2) and torchrun_world("8", 2) == ("8", 2)  # the count torchrun started
+    assert torchrun_world([0, 1, 2, 3, 4, 5, 6, 7], 1) == ([0, 1, 2, 3, 4, 5, 6, 7], 2)
+    with pytest.raises(
+        ValueError, match=r"devices=2: torchrun started 16 processes, 8 per node.*--nproc_per_node 2"
+    ):
+        torchrun_world(2, 1)
+    with pytest.raises(ValueError, match=r"num_nodes=4: .*set devices=8 and num_nodes=2"):
+        torchrun_world("auto", 4)
+
+
+def test_cli_and_train_hf_under_torchrun_take_its_world(monkeypatch):
+    """`torchrun --nproc_per_node 2 -m lightning_longctx fit ...` (faked: rank 0's variables): the Trainer gets
+    torchrun's 2 devices when the config leaves devices at 'auto', and a config or examples/train_hf.py asking
+    for another count is refused before anything is built."""
+    import importlib.util
+
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    _fake_torchrun(monkeypatch, world=2, local=2)
+    args = ["--trainer.accelerator=cpu", "--trainer.logger=false", "--trainer.strategy=ulysses",
+            '--model.model_config={"model_type": "llama"}']  # fmt: skip
+    cli = LongCtxCLI(
+        L.LightningModule, None, subclass_mode_model=True, subclass_mode_data=True, run=False, args=args
+    )
+    assert (cli.trainer.num_devices, cli.trainer.num_nodes) == (2, 1)
+    assert isinstance(cli.trainer.strategy.cluster_environment, TorchElasticEnvironment)
+    assert cli.trainer.strategy.sp_config.sequence_parallel_size == "auto"  # all devices of the node: sp 2
+    with pytest.raises(ValueError, match=r"devices=4: torchrun started 2 processes, 2 per node"):
+        LongCtxCLI(L.LightningModule, None, subclass_mode_model=True, subclass_mode_data=True, run=False,
+                   args=[*args, "--trainer.devices=4"])  # fmt: skip
+
+    spec = importlib.util.spec_from_file_location("train_hf", ROOT / "examples" / "train_hf.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.parse_args([]).devices is None  # torchrun's, else 2
+    with pytest.raises(ValueError, match=r"devices=4: torchrun started 2 processes"):
+        example.main(["--devices", "4"])

@@ -4,8 +4,9 @@
 The checkpoints are real: ``CausalLM`` (a tiny Llama from ``model_config``) trained 2 AdamW steps under
 ``UlyssesFPDTStrategy(sequence_parallel_size=2, data_parallel="fsdp")`` on 2 gloo ranks, saved in both formats;
 a peft LoRA model (a LightningModule that is not a ``CausalLM``) trained 1 step at sp 2; a ``CausalLM`` from a
-local ``pretrained_path`` with a tokenizer and a yarn ``config_overrides``, trained on one process. The reference is the trained module's own
-state (gathered from the ranks) loaded into a plain Hugging Face model: logits equal bit for bit.
+local ``pretrained_path`` with a tokenizer and a yarn ``config_overrides``, and one with ``lora``, trained on one
+process. The reference is the trained module's own state (gathered from the ranks) loaded into a plain Hugging Face
+model: logits equal bit for bit (a LoRA merge: within 1e-6).
 """
 
 from __future__ import annotations
@@ -218,6 +219,61 @@ def test_pretrained_path_gives_the_config_with_its_overrides_and_the_tokenizer(p
     assert not (bare / "tokenizer.json").exists()
     with pytest.raises(FileNotFoundError, match=r"tokenizer .* not on this machine.*--no-tokenizer"):
         export_pretrained(path, tmp_path / "x", tokenizer=tmp_path / "nowhere")
+
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": False}
+
+
+def test_causal_lm_lora_exports_merged_from_its_hyper_parameters(tmp_path, capsys):
+    """``CausalLM(lora=...)`` records its LoRA config: ``export --merge-lora`` needs no ``--lora-config``."""
+    from peft import AutoPeftModelForCausalLM
+
+    base = tmp_path / "base"
+    _plain(_init_state()).save_pretrained(base)
+    torch.manual_seed(2)
+    module = CausalLM(pretrained_path=str(base), lora=LORA, lr=1e-2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, **QUIET)
+    trainer.fit(module, RecallDataModule(**DATA))
+    path = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(path)
+    want = _logits(module.model)
+
+    assert cli_main(["export", str(path), str(tmp_path / "merged"), "--merge-lora"]) == 0
+    merged = _loaded(tmp_path / "merged")
+    assert type(merged).__name__ == "LlamaForCausalLM" and not any(
+        "lora" in n for n, _ in merged.named_parameters()
+    )
+    error = (_logits(merged) - want).abs().max().item()
+    assert error < 1e-6, error  # W + s·BA vs W x + s·B(A x)
+    print(f"CausalLM(lora=...) merged export: logits max error {error:.1e}")
+
+    adapter = export_pretrained(path, tmp_path / "adapter")  # names its base: peft's Auto class finds it
+    assert json.loads((adapter / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
+    torch.testing.assert_close(
+        _logits(AutoPeftModelForCausalLM.from_pretrained(adapter)), want, rtol=0, atol=0
+    )
+
+
+def test_pretrained_model_without_a_tokenizer_is_refused(tmp_path):
+    """Text through the byte tokenizer (no ``tokenizer``) into a pretrained model: refused before the first step,
+    the fix named; with the model's folder as the tokenizer it trains."""
+    from lightning_longctx.data import TextFilesDataModule
+
+    base = tmp_path / "base"
+    _plain(_init_state()).save_pretrained(base)
+    _tokenizer(base)
+    (tmp_path / "corpus.txt").write_text("hello world " * 40)
+    module = CausalLM(pretrained_path=str(base), lr=1e-2)
+    data = dict(paths=[str(tmp_path / "corpus.txt")], seq_len=16)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, **QUIET)
+    with pytest.raises(ValueError, match=rf"byte tokenizer.*--data\.tokenizer {base}"):
+        trainer.fit(module, TextFilesDataModule(**data))
+    assert trainer.global_step == 0
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, **QUIET)
+    trainer.fit(
+        CausalLM(pretrained_path=str(base), lr=1e-2), TextFilesDataModule(**data, tokenizer=str(base))
+    )
+    assert trainer.global_step == 1
 
 
 def test_refusals(pretrained_run, tmp_path):

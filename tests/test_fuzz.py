@@ -83,6 +83,13 @@ STRATEGY_REGRESSIONS = {
     "qwen3_5_fpdt_sp4_chunk3": StratCase(
         arch="qwen3_5_text", world=4, sp=4, seq=24, fpdt_chunk_size=3, offload=True, data_parallel="fsdp", seed=7,
     ),
+    # packed documents on hybrids (issue 33): the Trainer path, the reference running each document alone
+    "qwen3_5_packed_fpdt_sp2": StratCase(
+        arch="qwen3_5_text", world=2, sp=2, seq=24, fpdt_chunk_size=4, packed=True, seed=11,
+    ),
+    "mamba_packed_sp2_ckpt": StratCase(
+        arch="mamba", world=2, sp=2, seq=16, activation_checkpointing=True, packed=True, seed=13,
+    ),
 }  # fmt: skip
 
 

@@ -296,7 +296,42 @@ GPU_CONFIGS = {
     "llama3_8b_1m_fpdt_8gpu.yaml": ["--device-memory", "80GiB"],  # "80 GB+ each, e.g. H100/H200"
     "llama3_8b_4node_slurm.yaml": ["--device-memory", "80GiB"],
     "llama3_8b_500k_1gpu.yaml": ["--device-memory", "80GiB", "--host-memory", "1TB"],
+    "qwen3_8b_512k_yarn_8gpu.yaml": ["--device-memory", "80GiB"],  # "8 x H100 80 GB"
 }
+#: the config.json of each pretrained model a shipped config names (``pretrained_path``), as published: the
+#: configs are planned from it alone (``plan --pretrained-path``), no weights
+PRETRAINED = {
+    "/models/Qwen3-8B": {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
+                         "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+                         "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+                         "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+                         "bos_token_id": 151643, "eos_token_id": 151645},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pretrained_folders(tmp_path_factory) -> dict[str, Path]:
+    """A folder holding only the ``config.json`` of each model in ``PRETRAINED``."""
+    folders = {}
+    for path, shape in PRETRAINED.items():
+        cfg = dict(shape)
+        folders[path] = tmp_path_factory.mktemp(Path(path).name)
+        AutoConfig.for_model(cfg.pop("model_type"), **cfg).save_pretrained(folders[path])
+    return folders
+
+
+def _plan_argv(name: str, folders: dict[str, Path]) -> list[str]:
+    """``lightning-longctx plan`` of a shipped config, its ``pretrained_path`` read from ``folders``."""
+    import yaml
+
+    path = CONFIGS / name
+    pretrained = yaml.safe_load(path.read_text())["model"]["init_args"].get("pretrained_path")
+    return [
+        "plan",
+        "--config",
+        str(path),
+        *(["--pretrained-path", str(folders[pretrained])] if pretrained else []),
+    ]
 
 
 def test_every_gpu_config_is_listed_with_its_gpu():
@@ -305,20 +340,44 @@ def test_every_gpu_config_is_listed_with_its_gpu():
 
 
 @pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
-def test_every_gpu_config_fits_its_gpu_with_fp32_master_weights(name, capsys):
-    assert main(["plan", "--config", str(CONFIGS / name), *GPU_CONFIGS[name], "--json"]) == 0
+def test_every_gpu_config_fits_its_gpu_with_fp32_master_weights(name, capsys, pretrained_folders):
+    """Planned against the GPU its header names, each GPU config fits, with fp32 master weights, and its
+    comments quote the plan's figures: the peak and the need per GPU, the host's need, the longest sequence."""
+    assert main([*_plan_argv(name, pretrained_folders), *GPU_CONFIGS[name], "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"], (name, plan["device_needed"], plan["host_needed"])
     # bf16-mixed over fp32 parameters: fp32 master weights and AdamW state (a bf16 model dtype would round
     # most updates of a fine-tune away)
     assert plan["precision"] == "bf16-mixed" and plan["param_bytes"] == 4 and plan["mp_policy"], plan
+    text = (CONFIGS / name).read_text()
+    figures = [format_bytes(plan[k]) for k in ("device_total", "device_needed", "host_needed")]
+    for figure in [*figures, f"{plan['longest_seq_len']:,} tokens"]:
+        assert figure in text, f"{name}: its comments do not quote the plan's {figure}"
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
-def test_cli_plans_every_shipped_config(name, capsys):
-    assert main(["plan", "--config", str(CONFIGS / name), "--json"]) == 0
+def test_cli_plans_every_shipped_config(name, capsys, pretrained_folders):
+    assert main([*_plan_argv(name, pretrained_folders), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["device_total"] > 0 and data["seq_len"] > 0
+
+
+def test_the_qwen3_config_extends_the_context_with_yarn_to_its_sequence(pretrained_folders):
+    """The planned (and trained) model is Qwen3-8B with the config's YaRN scaling: its RoPE covers exactly the
+    sequence (factor x the pretraining length), rope_theta kept from the model's config."""
+    import yaml
+
+    from lightning_longctx.integrations.rope import rope_limit
+    from lightning_longctx.plan_cli import plan_kwargs_from_config
+
+    config = yaml.safe_load((CONFIGS / "qwen3_8b_512k_yarn_8gpu.yaml").read_text())
+    folder = pretrained_folders[config["model"]["init_args"]["pretrained_path"]]
+    model, kwargs, _ = plan_kwargs_from_config(config, pretrained_path=str(folder))
+    rope = model.rope_parameters
+    assert (rope["rope_type"], rope["factor"], rope["rope_theta"]) == ("yarn", 16.0, 1000000.0)
+    limit = rope_limit(model)
+    assert limit.limit == model.max_position_embeddings == kwargs["seq_len"] == 524288
+    assert limit.original * rope["factor"] == kwargs["seq_len"]
 
 
 def test_cli_demo_config_and_overrides(capsys):
@@ -1047,3 +1106,163 @@ def test_the_cli_plans_the_model_with_its_config_overrides():
     config["model"]["init_args"]["config_overrides"] = {"num_hiden_layers": 7}
     with pytest.raises(ValueError, match="did you mean 'num_hidden_layers'"):
         plan_kwargs_from_config(config)
+
+
+# ---- plan on this machine: a pretrained_path that is not here, a CPU run's reserve ----
+
+
+def _one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
+    return captured.err
+
+
+def test_plan_of_a_pretrained_path_not_here_says_so_in_one_line(tmp_path, capsys):
+    """A ``pretrained_path`` that is not on this machine: one line naming it and the fix, exit 2; a folder
+    holding only the model's config.json (no weights) plans the model, with the config's overrides."""
+    import yaml
+
+    config = yaml.safe_load((CONFIGS / "demo_cpu.yaml").read_text())
+    args = config["model"]["init_args"]
+    shape = args.pop("model_config")
+    path = tmp_path / "c.yaml"
+
+    def plan(pretrained: str, *extra: str) -> int:
+        path.write_text(
+            yaml.safe_dump({**config, "model": {"init_args": {**args, "pretrained_path": pretrained}}})
+        )
+        return main(["plan", "--config", str(path), *extra])
+
+    missing = str(tmp_path / "models" / "Llama-3-8B")
+    assert plan(missing) == 2
+    err = _one_line_error(capsys)
+    assert f"pretrained_path={missing!r}: not on this machine" in err and "--pretrained-path DIR" in err
+    (tmp_path / "empty").mkdir()
+    assert plan(str(tmp_path / "empty")) == 2
+    assert "no config.json in that folder" in _one_line_error(capsys)
+    assert plan(missing, "--pretrained-path", str(tmp_path / "empty")) == 2
+    assert "--pretrained-path=" in _one_line_error(capsys)
+
+    weightless = tmp_path / "weightless"
+    cfg = dict(shape)
+    AutoConfig.for_model(cfg.pop("model_type"), **cfg).save_pretrained(weightless)
+    assert sorted(p.name for p in weightless.iterdir()) == ["config.json"]
+    args["config_overrides"] = {"num_hidden_layers": 3}
+    assert plan(str(weightless), "--json") == 0
+    from_folder = json.loads(capsys.readouterr().out)
+    assert plan(missing, "--pretrained-path", str(weightless), "--json") == 0
+    assert json.loads(capsys.readouterr().out) == from_folder
+    want = plan_memory({**shape, "num_hidden_layers": 3}, seq_len=128, sequence_parallel_size=2, micro_batch_size=16,
+                       device_type="cpu")  # fmt: skip
+    assert from_folder["device_total"] == want.device_total and from_folder["params"] == want.params
+
+
+def test_a_cpu_plan_reserves_no_cuda_context(capsys):
+    """On a CPU (``accelerator: cpu``) the device reserve is the allocator's slack alone: no 1 GiB CUDA context
+    (which left 0 tokens within 1 GiB); a GPU plan keeps it."""
+    from lightning_longctx.planner import CUDA_CONTEXT_BYTES
+
+    kw = {"seq_len": 4096, "sequence_parallel_size": 2}
+    cpu, gpu = plan_memory(TINY, device_type="cpu", **kw), plan_memory(TINY, **kw)
+    assert cpu.device_total == gpu.device_total and cpu.device_reserve == cpu.device_total // 20
+    assert gpu.device_reserve == cpu.device_reserve + CUDA_CONTEXT_BYTES
+    assert (
+        "(allocator slack; no CUDA context)" in cpu.table()
+        and "(CUDA context, allocator slack)" in gpu.table()
+    )
+    assert longest_sequence(TINY, device_memory="1GiB", sequence_parallel_size=2, device_type="cpu") > 0
+    assert longest_sequence(TINY, device_memory="1GiB", sequence_parallel_size=2) == 0
+    with pytest.raises(ValueError, match="device_type='tpu' is unknown"):
+        plan_memory(TINY, device_type="tpu", **kw)
+
+    assert (
+        main(["plan", "--config", str(CONFIGS / "demo_cpu.yaml"), "--device-memory", "1GiB", "--json"]) == 0
+    )
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["device_reserve"] == int(0.05 * plan["device_total"]) and plan["longest_seq_len"] > 0
+
+
+# ---- the README's first snippet and examples/train_hf.py's GPU command fit the model they name ----
+
+
+def _readme_settings() -> tuple[dict, dict, str]:
+    """The README's first snippet: ``UlyssesFPDTStrategy(...)`` and ``L.Trainer(...)`` keyword arguments, and the
+    text after it."""
+    import ast
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```python\n(.*?)```", readme, re.S)
+    calls = {}
+    for node in ast.walk(ast.parse(block.group(1))):
+        if isinstance(node, ast.Call):
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            calls[name] = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg != "strategy"}
+    return calls["UlyssesFPDTStrategy"], calls["Trainer"], readme[block.end() : block.end() + 600]
+
+
+def _train_hf() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_hf", ROOT / "examples" / "train_hf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plan_llama3_8b_at_128k(strategy: dict, devices: int, precision: str) -> Any:
+    """Llama-3(.1)-8B (one shape) at 131,072 tokens with these strategy settings, as the strategy resolves them
+    on one node of ``devices`` GPUs; fp32 weights (loaded with dtype=float32, as both say)."""
+    from lightning_longctx.config import SequenceParallelConfig
+    from lightning_longctx.planner import parallel_kwargs
+
+    resolved = SequenceParallelConfig(**strategy).resolve(
+        world_size=devices, devices_per_node=devices, device_type="cuda"
+    )
+    return plan_memory(LLAMA3_8B, seq_len=131072, precision=precision, param_dtype="float32",
+                       device_memory="80GiB", **parallel_kwargs(resolved))  # fmt: skip
+
+
+def test_the_readme_snippet_and_train_hf_fit_the_8b_model_they_name():
+    """An 8B model at 128K tokens on 8 x 80 GB: the README's first snippet and examples/train_hf.py's GPU command
+    fit by the planner, and quote its figures (the DDP preset they replaced needs 176 GiB per GPU)."""
+    import shlex
+
+    strategy, trainer, after = _readme_settings()
+    assert trainer["accelerator"] == "gpu" and trainer["devices"] == 8
+    plan = _plan_llama3_8b_at_128k(strategy, trainer["devices"], trainer["precision"])
+    assert plan.fits and plan.mp_policy, plan.table()
+    assert f"{format_bytes(plan.device_needed)} per GPU" in after
+
+    example = _train_hf()
+    doc = example.__doc__.replace("\\\n", " ")
+    line = next(line for line in doc.splitlines() if line.strip().startswith("torchrun --nproc_per_node 8"))
+    argv = shlex.split(line)
+    args = example.parse_args(argv[argv.index("examples/train_hf.py") + 1 :])
+    assert args.accelerator == "gpu" and args.seq_len == 131072 and "8B" in args.pretrained
+    plan = _plan_llama3_8b_at_128k(example.strategy_kwargs(args), int(argv[2]), args.precision)
+    assert plan.fits and plan.mp_policy, plan.table()
+    assert f"{format_bytes(plan.device_total)} per GPU at its peak, {format_bytes(plan.device_needed)}" in doc
+
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    preset = _plan_llama3_8b_at_128k(StrategyRegistry["ulysses_fpdt"]["init_params"], 8, "bf16-mixed")
+    assert not preset.fits and f"{format_bytes(preset.device_needed)} per GPU" in after
+
+
+def test_a_causal_lm_lora_config_is_planned_with_its_adapters():
+    """``model.init_args.lora`` (CausalLM's peft LoRA) reaches the plan: frozen base weights, rank-r adapters."""
+    import yaml
+
+    from lightning_longctx.plan_cli import plan_kwargs_from_config
+
+    config = yaml.safe_load((ROOT / "examples" / "configs" / "demo_cpu.yaml").read_text())
+    model, full, _ = plan_kwargs_from_config(config)
+    config["model"]["init_args"]["lora"] = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+    _, lora, _ = plan_kwargs_from_config(config)
+    assert (lora["lora_rank"], lora["lora_targets"]) == (4, ["q_proj", "v_proj"])
+    assert "lora_rank" not in full
+    with_lora, without = plan_memory(model, **lora), plan_memory(model, **full)
+    names = [c.name for c in without.components]
+    optimizer = next(n for n in names if n.startswith("optimizer"))
+    assert 0 < with_lora[optimizer].largest < without[optimizer].largest / 10

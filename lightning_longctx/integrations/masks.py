@@ -280,7 +280,9 @@ class SequenceParallelMask:
 
 class PositionsHook:
     """Forward hooks on a patched model: keep the GLOBAL position ids of the call in progress on its context,
-    and the batch they belong to (``SequenceParallelContext.record_positions``: its documents).
+    and the batch they belong to (``SequenceParallelContext.record_positions``: its documents). The batch
+    stays recorded after the call: hybrid mixers recomputed by activation checkpointing in backward read
+    their documents from it; a forward without position ids (one document per row) clears it.
 
     A class rather than closures, so that pickling a patched model reaches the context's clear refusal."""
 
@@ -296,6 +298,8 @@ class PositionsHook:
         self.context.call_position_ids = pos
         if pos is not None:  # the batch's documents, once per call (nothing to do for the strategy's batch)
             self.context.record_positions(pos)
+        else:  # one document per row: hybrid mixers (and their checkpoint recompute) must not read an older batch's
+            self.context.positions = None
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         self.context.call_position_ids = None

@@ -78,9 +78,10 @@ the total; ``largest`` is its maximum at any moment, its host bytes the most it 
 phase.
 
 Fitting: :attr:`MemoryPlan.fits` compares ``device_total`` plus a reserve (``CUDA_CONTEXT_BYTES``, 1 GiB for
-the CUDA context and cuBLAS / NCCL workspaces, plus ``ALLOCATOR_RESERVE``, 5 % of the peak for the caching
-allocator's slack; ``device_reserve=`` to change it) with ``device_memory``, and ``devices_per_host`` ranks'
-host peak plus ``HOST_PROCESS_BYTES`` each (4 GiB: the process, its data loader) with ``host_memory``;
+the CUDA context and cuBLAS / NCCL workspaces, none with ``device_type="cpu"``, plus ``ALLOCATOR_RESERVE``, 5 %
+of the peak for the allocator's slack; ``device_reserve=`` to change it) with ``device_memory``, and
+``devices_per_host`` ranks' host peak plus ``HOST_PROCESS_BYTES`` each (4 GiB: the process, its data loader)
+with ``host_memory``;
 :attr:`MemoryPlan.binding` names the limit with the least room.
 
 In the code, one module per job: ``shapes.py`` reads the model's shape from its config (shared with
@@ -117,7 +118,13 @@ from lightning_longctx.planner.layout import (
     CUDA_CONTEXT_BYTES,
     HOST_PROCESS_BYTES,
 )
-from lightning_longctx.planner.plan import longest_sequence, parallel_kwargs, plan_memory, resolve_parallel
+from lightning_longctx.planner.plan import (
+    longest_sequence,
+    parallel_kwargs,
+    plan_memory,
+    resolve_parallel,
+    step_plan_kwargs,
+)
 from lightning_longctx.planner.report import MemoryComponent, MemoryPlan, format_bytes, parse_bytes
 from lightning_longctx.planner.step_time import StepTimeEstimate, calibrate_cpu, estimate_step_time
 
@@ -140,4 +147,5 @@ __all__ = [
     "parse_bytes",
     "plan_memory",
     "resolve_parallel",
+    "step_plan_kwargs",
 ]

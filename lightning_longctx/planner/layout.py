@@ -21,10 +21,12 @@ from lightning_longctx.planner.shapes import _LLAMA_BLOCK, ATTENTION, _Block, _S
 
 #: LoRA target meaning every linear layer of the blocks (peft's name; the lm_head is not one of them)
 ALL_LINEAR = "all-linear"
-#: Device memory the plan's tensors cannot use: the CUDA context with cuBLAS / NCCL workspaces, plus the
-#: caching allocator's slack (reserved but not allocated: fragmentation), as a fraction of the peak.
+#: Device memory the plan's tensors cannot use: the CUDA context with cuBLAS / NCCL workspaces (a GPU only),
+#: plus the allocator's slack (reserved but not allocated: fragmentation), as a fraction of the peak.
 CUDA_CONTEXT_BYTES = 1 << 30
 ALLOCATOR_RESERVE = 0.05
+#: the device types a plan is made for: a GPU run's ("cuda", the default) or a CPU run's (no CUDA context)
+DEVICE_TYPES = ("cuda", "cpu")
 #: Host memory per rank outside the plan: the process itself (Python, torch and CUDA libraries, the CUDA
 #: context's host side), its data loader.
 HOST_PROCESS_BYTES = 4 << 30
@@ -119,13 +121,15 @@ class _Layout:
     device_memory: int | None
     host_memory: int | None  # per host
     devices_per_host: int
-    fixed_device_reserve: int | None  # bytes given; None: CUDA context + allocator slack
+    fixed_device_reserve: int | None  # bytes given; None: CUDA context (on CUDA) + allocator slack
     host_reserve: int  # per rank
+    device_type: str  # "cuda" or "cpu": whether a CUDA context takes device memory
 
     def device_reserve(self, peak: int) -> int:
         if self.fixed_device_reserve is not None:
             return self.fixed_device_reserve
-        return CUDA_CONTEXT_BYTES + int(ALLOCATOR_RESERVE * peak)
+        context = CUDA_CONTEXT_BYTES if self.device_type == "cuda" else 0
+        return context + int(ALLOCATOR_RESERVE * peak)
 
     @property
     def fpdt(self) -> bool:
@@ -284,12 +288,18 @@ def build_layout(
     host_memory: int | str | None = None,
     device_reserve: int | str | None = None,
     host_reserve: int | str | None = None,
+    device_type: str = "cuda",
 ) -> _Layout:
     """What one rank of ``parallel``'s layout holds for ``shape``: the settings read from the resolved config,
     the planner's own inputs (keywords as :func:`~lightning_longctx.planner.plan_memory`'s) checked here.
     Devices per host: the config's devices per node, else the world up to ``DEFAULT_DEVICES_PER_HOST``."""
     b = _check_int("micro_batch_size", micro_batch_size)
     _check_int("seq_len", seq_len)
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(
+            f"device_type={device_type!r} is unknown; use 'cuda' (a GPU run: its reserve holds the CUDA context) "
+            "or 'cpu'"
+        )
     if optimizer.lower() not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is unknown; use one of {sorted(OPTIMIZER_STATES)}")
     settings, P, dp, tp = parallel.settings, parallel.sp, parallel.dp, parallel.tp
@@ -333,6 +343,7 @@ def build_layout(
         device_memory=memory, host_memory=host, devices_per_host=per_host,
         fixed_device_reserve=None if device_reserve is None else parse_bytes(device_reserve),
         host_reserve=HOST_PROCESS_BYTES if host_reserve is None else parse_bytes(host_reserve),
+        device_type=device_type,
     )  # fmt: skip
 
 

@@ -197,6 +197,7 @@ def evaluate(lay: _Layout) -> MemoryPlan:
         lora_rank=lay.lora_rank,
         trainable_params=lay.trainable,
         device_reserve=lay.device_reserve(at[peak].total),
+        device_type=lay.device_type,
         host_reserve=lay.host_reserve,
         devices_per_host=lay.devices_per_host,
         device_memory=lay.device_memory,

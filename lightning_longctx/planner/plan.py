@@ -1,5 +1,6 @@
 """The planner's entry points: :func:`plan_memory`, :func:`longest_sequence`, and the one mapping between their
-keywords and the strategy's settings (:func:`resolve_parallel`, :func:`parallel_kwargs`)."""
+keywords and the strategy's settings (:func:`resolve_parallel`, :func:`parallel_kwargs`), with a step's own
+inputs (:func:`step_plan_kwargs`)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def plan_memory(
     devices_per_host: int | None = None,
     device_reserve: int | str | None = None,
     host_reserve: int | str | None = None,
+    device_type: str = "cuda",
 ) -> MemoryPlan:
     """Plan the memory of one training step per device and per host (no GPU, no weights needed).
 
@@ -81,9 +83,10 @@ def plan_memory(
         host_memory: bytes per host (a node: ``"1.9TB"``), for ``devices_per_host`` devices (default: the
             job's devices, at most 8).
         device_reserve: device bytes outside the plan's tensors; default ``CUDA_CONTEXT_BYTES`` (1 GiB: the
-            CUDA context, cuBLAS / NCCL workspaces) + ``ALLOCATOR_RESERVE`` (5 %) of the peak (the caching
+            CUDA context, cuBLAS / NCCL workspaces; on CUDA only) + ``ALLOCATOR_RESERVE`` (5 %) of the peak (the
             allocator's slack). host_reserve: host bytes per rank outside the plan (the process, its data
             loader); default ``HOST_PROCESS_BYTES`` (4 GiB). ``fits`` adds both.
+        device_type: ``"cuda"`` (a GPU run) or ``"cpu"`` (a CPU run: no CUDA context in the default reserve).
 
     The sequence-parallel settings (``sequence_parallel_size`` to ``cpu_offload``, and ``devices_per_host`` as
     the devices per node) become a :class:`~lightning_longctx.config.SequenceParallelConfig`, resolved on a
@@ -122,6 +125,7 @@ def plan_memory(
         host_memory=host_memory,
         device_reserve=device_reserve,
         host_reserve=host_reserve,
+        device_type=device_type,
     )
     return evaluate(layout)
 
@@ -196,6 +200,35 @@ def parallel_kwargs(parallel: ResolvedConfig) -> dict[str, Any]:
         "cpu_offload": given.cpu_offload,
         "devices_per_host": parallel.layout.devices_per_node or None,
     }
+
+
+def step_plan_kwargs(
+    parallel: ResolvedConfig,
+    *,
+    seq_len: int,
+    micro_batch_size: int = 1,
+    precision: str = "32-true",
+    param_dtype: Any = None,
+    activation_checkpointing: bool = False,
+    device_type: str = "cuda",
+) -> dict[str, Any]:
+    """The :func:`plan_memory` keywords of one training step the strategy runs: :func:`parallel_kwargs` of its
+    resolved settings and the step's own inputs, the batch (``seq_len`` tokens, ``micro_batch_size``
+    sequences), the trainer's ``precision``, the weights' ``param_dtype``, the module's own
+    ``activation_checkpointing`` (``CausalLM``'s flag: on top of the strategy's) and the ``device_type`` the
+    step runs on. ``lightning-longctx plan`` reads them from a config, the strategy's fit check
+    (``fit_check.py``) from the first batch and the model: one mapping, so both plan the same step."""
+    kwargs = {
+        "seq_len": int(seq_len),
+        **parallel_kwargs(parallel),
+        "micro_batch_size": int(micro_batch_size),
+        "precision": str(precision),
+        "param_dtype": param_dtype,
+        "device_type": device_type,
+    }
+    if activation_checkpointing:
+        kwargs["activation_checkpointing"] = True
+    return kwargs
 
 
 def longest_sequence(

@@ -105,6 +105,15 @@ class MemoryPlan:
     tensor_parallel_size: int = 1
     vocab_parallel: bool = False  # the lm_head split over the vocabulary across the tp ranks (FPDT's loss)
     local_params: int = 0  # one tensor-parallel rank's parameters (all of them with tp = 1), before FSDP
+    #: "cuda" or "cpu": what the table says the device reserve holds (an init argument, not a field, so the
+    #: JSON of a plan keeps its keys)
+    device_type: dataclasses.InitVar[str] = "cuda"
+
+    def __post_init__(self, device_type: str) -> None:
+        parts = (
+            "CUDA context, allocator slack" if device_type == "cuda" else "allocator slack; no CUDA context"
+        )
+        object.__setattr__(self, "_reserve_parts", parts)
 
     def __getitem__(self, name: str) -> MemoryComponent:
         for comp in self.components:
@@ -209,7 +218,7 @@ class MemoryPlan:
         out = [self.describe(), fmt(heads), line, *map(fmt, rows[:-1]), line, fmt(rows[-1])]
         out.append("phases (device / host): " + ", ".join(
             f"{p} {format_bytes(d)} / {format_bytes(h)}" for p, d, h in self.phases))  # fmt: skip
-        out.append(f"reserve: {format_bytes(self.device_reserve)} per device (CUDA context, allocator slack), "
+        out.append(f"reserve: {format_bytes(self.device_reserve)} per device ({self._reserve_parts}), "
                    f"{format_bytes(self.host_reserve)} per rank on its host (the process)")  # fmt: skip
         for name, memory, needed, per in (
             ("device", self.device_memory, self.device_needed, "per device"),

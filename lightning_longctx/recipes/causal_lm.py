@@ -12,7 +12,8 @@ context (right device and dtype from the start; no fp32 copy of an 8B model in h
 A recipe: it uses only the core's public pieces (the strategy's ``sp_group``, ``step_loss`` and
 ``loss_is_token_mean``, :func:`~lightning_longctx.sequence_parallel_cross_entropy`,
 :func:`~lightning_longctx.enable_activation_checkpointing`, ``shift_labels`` and ``IGNORE_INDEX`` of
-:mod:`lightning_longctx.sharding`) and the recall task's accuracy.
+:mod:`lightning_longctx.sharding`, the byte tokenizer of :mod:`lightning_longctx.data`) and the recall task's
+accuracy. LoRA is peft's (``lora=``): the strategy patches the Hugging Face model inside the ``PeftModel``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_longctx import enable_activation_checkpointing, sequence_parallel_cross_entropy
+from lightning_longctx.data import ByteTokenizer
 from lightning_longctx.integrations.hf_config import build_config
 from lightning_longctx.recipes.recall import RecallAccuracy
 from lightning_longctx.sharding import IGNORE_INDEX, shift_labels
@@ -35,6 +37,30 @@ __all__ = ["CausalLM", "warmup_cosine"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LABEL_KEYS = ("labels", "shift_labels")
+_LORA_TASK = "CAUSAL_LM"
+
+
+def _lora_config(lora: dict[str, Any]) -> Any:
+    """``peft.LoraConfig(**lora)`` for a causal LM (``task_type="CAUSAL_LM"``); a bad key or value is refused
+    with peft's reason and the fix."""
+    if not isinstance(lora, dict):
+        raise TypeError(f"lora must be a dict of peft.LoraConfig's arguments, got {type(lora).__name__}")
+    task = lora.get("task_type", _LORA_TASK)
+    if task is not None and task != _LORA_TASK:
+        raise ValueError(
+            f"lora.task_type={task!r}: CausalLM trains a causal LM; drop it or use {_LORA_TASK!r}"
+        )
+    try:
+        from peft import LoraConfig
+    except ImportError as err:
+        raise ImportError("CausalLM(lora=...) needs peft: pip install peft") from err
+    try:
+        return LoraConfig(**{**lora, "task_type": _LORA_TASK})
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"lora={lora!r} is not a valid peft.LoraConfig ({err}); its keys are LoraConfig's arguments, e.g. "
+            "{'r': 16, 'lora_alpha': 32, 'target_modules': 'all-linear'}"
+        ) from err
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int | None, min_ratio: float) -> float:
@@ -70,6 +96,11 @@ class CausalLM(L.LightningModule):
             config's ``rope_theta`` and takes the config's own length (``max_position_embeddings`` before the
             overrides) as ``original_max_position_embeddings`` unless it names one. A key the config does not
             have is refused (transformers would keep it silently).
+        lora: peft LoRA adapters: the keyword arguments of ``peft.LoraConfig`` (``task_type`` is
+            ``"CAUSAL_LM"``), e.g. ``{"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}``. The model
+            is wrapped by ``peft.get_peft_model`` after its weights load: only the adapters train (the base
+            weights frozen; peft keeps the adapters in float32 over ``bfloat16`` weights). Saved in the
+            checkpoint's hyper-parameters, so ``lightning-longctx export --merge-lora`` rebuilds and merges it.
         lr, weight_decay, betas: AdamW; weight decay applies to matrices only (not norms/biases).
         warmup_steps: linear warmup from ``lr / warmup_steps`` to ``lr``.
         max_steps_schedule: cosine decay to ``min_lr_ratio * lr`` at this step; ``None`` keeps
@@ -99,6 +130,7 @@ class CausalLM(L.LightningModule):
         dtype: str | None = None,
         eval_metric: bool = True,
         config_overrides: dict[str, Any] | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if (model_config is None) == (pretrained_path is None):
@@ -115,6 +147,8 @@ class CausalLM(L.LightningModule):
             raise TypeError(f"config_overrides must be a dict, got {type(config_overrides).__name__}")
         if model_config is not None and config_overrides:  # cheap here: refuse an unknown key before fit
             build_config(model_config=model_config, config_overrides=config_overrides)
+        if lora is not None:  # peft validates its config: refuse a bad key before fit
+            _lora_config(lora)
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r}: use one of {sorted(_DTYPES)} or None")
         if warmup_steps < 0:
@@ -149,17 +183,34 @@ class CausalLM(L.LightningModule):
         else:
             model = AutoModelForCausalLM.from_config(config, **kwargs)
         model.config.use_cache = False
+        model.train()  # from_pretrained hands it back in eval mode (dropout off): this module trains it
         if hp.activation_checkpointing:
             enable_activation_checkpointing(model)
         self._check_vocab(model)
+        if hp.get("lora") is not None:
+            from peft import get_peft_model
+
+            # after the weights load: the frozen base is the pretrained one; the strategy patches the
+            # PreTrainedModel inside the PeftModel
+            model = get_peft_model(model, _lora_config(hp.lora))
         self.model = model
 
     def _check_vocab(self, model: nn.Module) -> None:
-        """A datamodule with more token ids than the model's vocabulary would index out of range."""
+        """A datamodule with more token ids than the model's vocabulary would index out of range; a pretrained
+        model fed the byte tokenizer's ids (a datamodule with no tokenizer) would train on the wrong tokens."""
         trainer = self._trainer
         datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
         data_vocab = getattr(datamodule, "vocab_size", None)
         model_vocab = getattr(model.config, "vocab_size", None)
+        path = self.hparams.pretrained_path
+        if path is not None and isinstance(getattr(datamodule, "tokenizer", None), ByteTokenizer):
+            raise ValueError(
+                f"{type(datamodule).__name__} has no tokenizer, so it encodes text with the byte tokenizer "
+                f"({ByteTokenizer.vocab_size} ids), but CausalLM(pretrained_path={path!r}) was trained on its own "
+                f"vocabulary ({model_vocab} ids): every token would mean something else to it. Set the "
+                f"datamodule's tokenizer to the model's folder (YAML `data.init_args.tokenizer: {path}`, or "
+                f"--data.tokenizer {path})"
+            )
         if isinstance(data_vocab, int) and isinstance(model_vocab, int) and data_vocab > model_vocab:
             raise ValueError(
                 f"the datamodule produces token ids up to {data_vocab - 1} but the model's vocab_size is "

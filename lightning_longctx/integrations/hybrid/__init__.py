@@ -11,6 +11,10 @@ the GPU kernels and the CPU fallbacks. Fused paths that cannot take an entry sta
 recurrence is a method or written inline (RecurrentGemma, MiniMax, RWKV's token shift, xLSTM's backend),
 :data:`METHODS` replaces that one method of the instance with an adapter around it.
 
+Packed rows (position ids restarting at 0) are exact for the kinds whose module sets ``PACKED = True`` (short
+convolutions, the delta rule, Mamba-2, Mamba-1): a packed row equals its documents run one by one, on one
+device too. A mixer that calls any other adapter refuses them (:func:`packed_documents_refusal`).
+
 A mixer whose forward runs without calling an adapter (a path we did not adapt) raises at that call; a
 model with mixers that no adapter covers is refused at patch time (``integrations/masks.py``).
 """
@@ -36,7 +40,7 @@ from lightning_longctx.integrations.hybrid import (
     selective_scan,
     xlstm,
 )
-from lightning_longctx.integrations.hybrid.base import MixerCall, global_names, rebind
+from lightning_longctx.integrations.hybrid.base import MixerCall, global_names, packed_documents_error, rebind
 
 if TYPE_CHECKING:
     from lightning_longctx.integrations.context import SequenceParallelContext
@@ -52,9 +56,14 @@ REFUSED: set[str] = set()
 #: Mixer class name -> {method name: adapter(call, original bound method, *args, **kw)}: for mixers whose
 #: kernel is a method rather than a module global (RecurrentGemma's ``_rnn_scan``).
 METHODS: dict[str, dict[str, Callable[..., Any]]] = {}
+#: Adapters (kernel names of :data:`ADAPTERS`, mixer class names of :data:`METHODS`) whose kind resets its
+#: state at document starts (``PACKED = True`` in its module): a mixer that calls only these takes packed rows.
+PACKED: set[str] = set()
 
 for _kind in _KINDS:  # one module per mixer kind, each declaring what it adapts
     ADAPTERS.update(getattr(_kind, "ADAPTERS", {}))
+    if getattr(_kind, "PACKED", False):
+        PACKED.update(getattr(_kind, "ADAPTERS", {}), getattr(_kind, "METHODS", {}))
     FUSED_OFF.update(getattr(_kind, "FUSED_OFF", ()))
     REFUSED.update(getattr(_kind, "REFUSED", ()))
     METHODS.update(getattr(_kind, "METHODS", {}))
@@ -153,8 +162,10 @@ def patch_mixers(
     patched = []
     for module in find_mixers(model) if mixers is None else mixers:
         methods = _adapted_methods(type(module))
-        call = MixerCall(context, type(module).__name__)
         names, scope = _kernels_of(methods)
+        cls = type(module).__name__
+        packed = (names & ADAPTERS.keys()) <= PACKED and (cls not in METHODS or cls in PACKED)
+        call = MixerCall(context, cls, packed=packed)
         overrides: dict[str, Any] = {}
         for name in names & scope.keys():
             if name in ADAPTERS:
@@ -177,6 +188,16 @@ def patch_mixers(
             PatchedMixer(module, call, [*methods, "forward", "_longctx_mixer", "_longctx_forward"])
         )
     return patched
+
+
+def packed_documents_refusal(context: SequenceParallelContext) -> ValueError | None:
+    """The error a packed batch meets in ``context``'s model (a patched mixer whose adapter cannot reset its
+    state at a document start), or ``None`` when every mixer takes packed rows: what the strategy decides
+    before the forward, on every rank."""
+    for mixer in context.restore.get("mixers", ()):
+        if not mixer.call.packed:
+            return packed_documents_error(context.model_name or "the model", mixer.call.name)
+    return None
 
 
 def unpatch_mixers(patched: list[PatchedMixer]) -> None:

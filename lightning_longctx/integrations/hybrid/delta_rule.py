@@ -9,6 +9,12 @@ columns evolve independently, so the outputs are ``[o⁰ | R]`` and the final st
 extra value columns. :func:`~lightning_longctx.comm.exclusive_affine_scan` then gives each segment its
 ``S_in``, and ``o = o⁰ + R S_in``. Autograd runs through the model's function; the scan's backward carries
 the state gradients across ranks.
+
+Packed documents (:class:`~lightning_longctx.integrations.hybrid.base.Documents`): one call on every
+document piece of every segment, each right-aligned behind neutral tokens (``q = k = v = 0``, ``β = 0``,
+``g = 0``: the state passes them unchanged), all from ``[0 | I]``. The segment's exit state ``B`` is its last
+piece's; ``M`` is its first piece's, or 0 when a document starts in the segment; only the first piece of a
+segment that continues a document adds ``R S_in``. Gradients stop at the same document starts.
 """
 
 from __future__ import annotations
@@ -44,15 +50,18 @@ def chunk_delta_rule(
         sp.refuse("its delta rule with packed-sequence offsets (cu_seqlens)")
     c = sp.check(query.shape[1])
     u = query.shape[1] // c
+    docs = sp.documents(query.shape[1], query.shape[0], 0, query.device)
     q, k, v, g, beta = (to_segments(x, 1, c) for x in (query, key, value, g, beta))  # (u*b, c, ...)
-    n, _, heads, d_v = v.shape
+    if docs is not None:  # one row per document piece, behind neutral zeros (β = 0, g = 0: state unchanged)
+        q, k, v, g, beta = (docs.gather(x, 1) for x in (q, k, v, g, beta))
+    n, length, heads, d_v = v.shape
     d_k = k.shape[-1]
     identity = torch.eye(d_k, dtype=torch.float32, device=v.device).expand(n, heads, d_k, d_k)
     entry = torch.cat([identity.new_zeros(n, heads, d_k, d_v), identity], dim=-1)  # [0 | I]
     out, final = original(
         q,
         k,
-        torch.cat([v, v.new_zeros(n, c, heads, d_k)], dim=-1),  # [v | 0]
+        torch.cat([v, v.new_zeros(n, length, heads, d_k)], dim=-1),  # [v | 0]
         g=g,
         beta=beta,
         chunk_size=chunk_size,
@@ -61,12 +70,20 @@ def chunk_delta_rule(
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         **kwargs,
     )
-    o0, R = out[..., :d_v], out[..., d_v:]  # (n, c, h, d_v), (n, c, h, d_k)
-    B, M = final[..., :d_v], final[..., d_v:]  # (n, h, d_k, d_v), (n, h, d_k, d_k)
+    if docs is None:
+        B, M = final[..., :d_v], final[..., d_v:]  # (N, h, d_k, d_v), (N, h, d_k, d_k)
+    else:  # the exit state is the last piece's; the entry state reaches only a first piece that continues
+        out = docs.scatter(out, 1)
+        B = final[docs.last, ..., :d_v]
+        M = final[docs.first, ..., d_v:] * (~docs.restarts).view(-1, 1, 1, 1)
+    o0, R = out[..., :d_v], out[..., d_v:]  # (N, c, h, d_v), (N, c, h, d_k)
     S = exclusive_affine_scan(M.unflatten(0, (u, -1)), B.unflatten(0, (u, -1)), torch.matmul, sp.group)
     correction = torch.einsum("nchk,nhkv->nchv", R.float(), S.flatten(0, 1))
+    if docs is not None:
+        correction = correction * docs.entry[..., None, None]
     return from_segments(o0 + correction.to(o0.dtype), 1, u), None
 
 
+PACKED = True
 ADAPTERS = {"torch_chunk_gated_delta_rule": chunk_delta_rule, "chunk_kimi_delta_attention": chunk_delta_rule}
 REFUSED = {"torch_recurrent_gated_delta_rule", "recurrent_kimi_delta_attention"}

@@ -11,6 +11,12 @@ only, so it is counted once. :func:`~lightning_longctx.comm.exclusive_affine_sca
 is a scalar per head) gives each segment its ``S_in``. Autograd runs through the model's function and the
 closed form; the scan's backward carries the state gradients across ranks.
 
+Packed documents (:class:`~lightning_longctx.integrations.hybrid.base.Documents`): the model's function runs
+on the document pieces of the segments, each behind zeros (``x = 0``: the zero state stays zero), so ``y⁰``
+is every piece's output alone and the last piece's final state is the segment's ``B``. ``M = 0`` for a
+segment holding a document start, and the correction reaches only the first piece of a segment that
+continues a document (``exp(-inf) = 0`` elsewhere, with no gradient).
+
 Why not identity rows (``x`` extended by ``n`` zero columns per head, entry state ``[0; I_n]``): exact too,
 but it runs the whole SSD on ``p + n`` columns instead of ``p`` (3x for Mamba-2's p=64, n=128) and returns
 the decay coefficients in the output dtype (bf16 under mixed precision); the closed form adds
@@ -81,13 +87,14 @@ def chunk_scan(
         sp.refuse("its Mamba-2 scan with a fused output gate (z)")
     c = sp.check(hidden_states.shape[1])
     u = hidden_states.shape[1] // c
+    docs = sp.documents(hidden_states.shape[1], hidden_states.shape[0], 0, hidden_states.device)
     x, dt, B, C = (to_segments(t, 1, c) for t in (hidden_states, dt, B, C))  # (N = u*b, c, ...)
+    # packed: one row per document piece behind zeros (x = 0 keeps the zero state zero)
+    pieces = (x, dt, B, C) if docs is None else tuple(docs.gather(t, 1) for t in (x, dt, B, C))
     y0, final = original(  # from a zero entry state: y⁰ (with D x) and B (the final state, fp32)
-        x,
-        dt,
+        *pieces[:2],
         A,
-        B,
-        C,
+        *pieces[2:],
         chunk_size,
         D=D,
         dt_bias=dt_bias,
@@ -100,6 +107,12 @@ def chunk_scan(
     groups, n = C.shape[-2:]
     log_decay = _log_decay(dt, A, dt_bias, dt_softplus, dt_limit)  # (N, c, h)
     M = torch.exp(log_decay[:, -1])  # (N, h): the segment's decay of its entry state
+    if docs is not None:  # the exit state is the last piece's; a document start stops the entry state
+        y0, final = docs.scatter(y0, 1), final[docs.last]
+        M = M * ~docs.restarts[:, None]
+        log_decay = log_decay.masked_fill(
+            ~docs.entry[..., None], float("-inf")
+        )  # no entry state after a start
     S = exclusive_affine_scan(
         M.view(u, -1, heads, 1, 1), final.float().unflatten(0, (u, -1)), torch.mul, sp.group
     ).flatten(0, 1)  # (N, h, p, n)
@@ -109,6 +122,7 @@ def chunk_scan(
     return from_segments(y0 + correction.to(y0.dtype), 1, u)
 
 
+PACKED = True
 ADAPTERS = {"mamba2_chunk_scan": chunk_scan}
 #: The fused conv + scan + gated norm + out-projection kernel cannot take a halo nor an entry state; without
 #: it (the torch fallback returns None) every mixer takes its unfused conv -> chunk-scan path.

@@ -18,6 +18,11 @@ drops the gradient of its ``last_state``; so ``B_r`` and the correction are comp
 that matters (prefix sums for the correction, suffix sums for ``B_r``), so nothing overflows and no
 decay is a difference of two large sums.
 
+Packed documents (:class:`~lightning_longctx.integrations.hybrid.base.Documents`): the scan runs on the
+document pieces of the segments, each behind zeros (``x = 0``: the zero state stays zero); ``B_r`` sums the
+last piece's tokens only, ``M = 0`` for a segment holding a document start, and the correction reads ``C_t``
+of the first piece of a segment that continues a document only.
+
 Shapes: ``hidden_states``/``dt``/``z`` ``(b, d, s/P)``, ``B``/``C`` ``(b, n, s/P)``. Cost: two elementwise passes
 over ``(u*b, d, n, c)`` (what the torch fallback already materialises several times), in time blocks of
 at most :data:`_BLOCK_ELEMENTS` recomputed in backward, so the extra activation memory stays bounded when
@@ -89,15 +94,17 @@ def selective_scan(
         sp.refuse("its selective scan with grouped or complex B/C/A (only real (b, n, l) B/C are adapted)")
     c = sp.check(hidden_states.shape[-1])
     u = hidden_states.shape[-1] // c
+    docs = sp.documents(hidden_states.shape[-1], hidden_states.shape[0], 0, hidden_states.device)
     x, dts, Bs, Cs = (to_segments(t, 2, c) for t in (hidden_states, dt, B, C))  # (u*b, ., c)
+    # packed: one row per document piece behind zeros (x = 0 keeps the zero state zero)
+    pieces = (x, dts, Bs, Cs) if docs is None else tuple(docs.gather(t, 2) for t in (x, dts, Bs, Cs))
 
     # The local scans from zero: the model's own function (mamba-ssm kernel or torch fallback), gate held back.
     out = original(
-        x,
-        dts,
+        pieces[0],
+        pieces[1],
         A,
-        Bs,
-        Cs,
+        *pieces[2:],
         D=D,
         z=None,
         delta_bias=delta_bias,
@@ -105,6 +112,8 @@ def selective_scan(
         return_last_state=False,
         **kwargs,
     )
+    if docs is not None:
+        out = docs.scatter(out, 2)
 
     # Δ as the scan sees it, in float32 as mamba-ssm's kernel computes it (the torch fallback computes it in
     # dt's dtype: the same for float32 models, within bf16 rounding of it otherwise).
@@ -124,8 +133,13 @@ def selective_scan(
     ahead = torch.cat([suffix[..., 1:], torch.zeros_like(suffix[..., :1])], dim=-1)  # Σ_{s>t} Δ_s
     dtx = delta * x.float()
     B32, C32 = Bs.float(), Cs.float()
+    if docs is not None:  # the exit state holds the last piece only; a document start stops the entry state
+        dtx = dtx * docs.final[:, None]
     final = sum(_blocked(_final_from_zero, A32, ahead[..., k], dtx[..., k], B32[..., k]) for k in blocks)
     M = torch.exp(A32 * suffix[..., 0, None])  # (u*b, d, n)
+    if docs is not None:
+        M = M * ~docs.restarts[:, None, None]
+        C32 = C32 * docs.entry[:, None]  # the entry state reaches only a first piece that continues
     S = exclusive_affine_scan(M.unflatten(0, (u, -1)), final.unflatten(0, (u, -1)), torch.mul, sp.group)
 
     elapsed = delta.cumsum(-1)  # Σ_{s≤t} Δ_s
@@ -139,6 +153,7 @@ def selective_scan(
     return from_segments(y.to(out.dtype), 2, u)
 
 
+PACKED = True
 ADAPTERS = {"mamba_selective_scan": selective_scan}
 #: mamba-ssm's fused conv + scan + projections: returns None without the kernel; the mixers then take the
 #: unfused path (conv1d and scan as separate adapted calls).

@@ -1,0 +1,240 @@
+"""The fit check (``fit_check.py``): the first training step planned against the device's memory before it runs.
+
+Forced on the CPU with a small capacity (``fit_check_device_memory``): a tiny Llama at 65,536 tokens needs
+353 MiB per device by the planner (a CPU run: no CUDA context in the reserve), more than the 256 MiB given, and
+is refused before its first step, on every rank alike; at 24 tokens it fits and trains, and what the strategy
+planned is what ``lightning-longctx plan`` plans for the same config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import io
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+from torch.utils.data import DataLoader
+
+from helpers.hf_models import TINY_LLAMA, HFModule, TokenDataset, tiny_config, tiny_model
+from helpers.lightning import lightning_env
+from lightning_longctx import UlyssesFPDTStrategy
+from lightning_longctx.config import SequenceParallelConfig
+from lightning_longctx.fit_check import Unplannable, check_first_step, enabled, fit_check_capacity
+from lightning_longctx.planner import format_bytes, parse_bytes, plan_memory
+
+CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+CAPACITY = "256MiB"
+LONG, SHORT = 65536, 24
+FORCED = {"fit_check": True, "fit_check_device_memory": CAPACITY}
+
+
+def _trainer(strategy, steps):
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def _fit(seq, strategy_kwargs, sp=1, steps=1):
+    """In a pool rank: fit the tiny Llama (SGD) on ``seq`` tokens; (error or None, steps run, the plan)."""
+    lightning_env()
+    module = HFModule(tiny_model("llama"), dataset=TokenDataset(dist.get_world_size() // sp * steps, seq))
+    strategy = UlyssesFPDTStrategy(sequence_parallel_size=sp, **strategy_kwargs)
+    try:
+        _trainer(strategy, steps).fit(module)
+    except ValueError as err:
+        return str(err), len(module.losses), None
+    plan = strategy.fit_plan
+    return None, len(module.losses), None if plan is None else plan.to_dict()
+
+
+def _expected(seq, **kwargs):
+    """The planner's plan of the tiny Llama's step (HFModule's optimizer: SGD without momentum)."""
+    return plan_memory(
+        tiny_config("llama"),
+        seq_len=seq,
+        optimizer="sgd",
+        device_memory=CAPACITY,
+        device_type="cpu",
+        **kwargs,
+    )
+
+
+def test_a_step_that_does_not_fit_is_refused_before_it_runs(dist_pool):
+    plan = _expected(LONG, sequence_parallel_size=1)
+    assert not plan.fits and plan.device_needed > parse_bytes(CAPACITY)
+    msg, steps, _ = dist_pool(1).run(_fit, LONG, FORCED)[0]
+    assert msg is not None and steps == 0, "the step must be refused before it runs"
+    assert "does not fit the device" in msg, msg
+    assert f"needs {format_bytes(plan.device_needed)} per device" in msg, msg
+    assert f"fit_check_device_memory='{CAPACITY}' has {format_bytes(parse_bytes(CAPACITY))}" in msg, msg
+    assert f"largest terms: activations kept for backward {format_bytes(plan['activations kept for backward'].device)}" in msg  # fmt: skip
+    ckpt = _expected(LONG, sequence_parallel_size=1, activation_checkpointing=True)
+    assert ckpt.fits, "the test needs a setting that fits"
+    assert f"activation_checkpointing=True: needs {format_bytes(ckpt.device_needed)}" in msg, msg
+    assert "fpdt_chunk_size=4096: needs" in msg and "fit_check=False skips this check" in msg, msg
+
+
+def test_all_ranks_refuse_together(dist_pool):
+    """Two data-parallel ranks plan alike and raise the same error; a larger sp is among the fixes."""
+    results = dist_pool(2).run(_fit, LONG, FORCED)
+    assert all(steps == 0 for _, steps, _ in results)
+    msgs = {msg for msg, _, _ in results}
+    assert len(msgs) == 1 and None not in msgs, msgs
+    (msg,) = msgs
+    sp2 = _expected(LONG, sequence_parallel_size=2)
+    assert sp2.fits, "the test needs a larger sp that fits"
+    assert f"sequence_parallel_size=2 (dp 2 -> 1: fewer sequences per step): needs {format_bytes(sp2.device_needed)}" in msg  # fmt: skip
+    assert "sp 1 x dp 2" in msg, msg
+
+
+def _fit_causal_lm(seq, steps, strategy_kwargs):
+    """In a pool rank: ``CausalLM`` (AdamW, its own activation checkpointing) on the tiny Llama config."""
+    from lightning_longctx.recipes import CausalLM
+
+    lightning_env()
+    module = CausalLM(model_config=dict(TINY_LLAMA), activation_checkpointing=True)
+    strategy = UlyssesFPDTStrategy(sequence_parallel_size=1, **strategy_kwargs)
+    trainer = _trainer(strategy, steps)
+    trainer.fit(module, DataLoader(TokenDataset(steps, seq), batch_size=1))
+    return trainer.global_step, strategy.fit_plan.to_dict()
+
+
+def test_a_step_that_fits_trains_as_planned_by_lightning_longctx_plan(dist_pool, tmp_path):
+    steps, plan = dist_pool(1).run(_fit_causal_lm, SHORT, 2, FORCED)[0]
+    assert steps == 2 and plan["fits"]
+    config = {
+        "trainer": {"accelerator": "cpu", "devices": 1, "precision": "32-true",
+                    "strategy": {"class_path": "lightning_longctx.UlyssesFPDTStrategy",
+                                 "init_args": {"sequence_parallel_size": 1, **FORCED}}},
+        "model": {"class_path": "lightning_longctx.recipes.CausalLM",
+                  "init_args": {"model_config": dict(TINY_LLAMA), "activation_checkpointing": True}},
+        "data": {"init_args": {"seq_len": SHORT, "batch_size": 1}},
+    }  # fmt: skip
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    from lightning_longctx.plan_cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--config", str(path), "--json"]) == 0
+    cli = json.loads(out.getvalue())
+    assert plan["activation_checkpointing"] and plan["optimizer"] == "adamw"
+    for key in (
+        "device_total",
+        "device_reserve",
+        "host_total",
+        "components",
+        "phases",
+        "params",
+        "precision",
+    ):
+        assert plan[key] == cli[key], key
+
+
+def test_auto_on_cpu_does_nothing(dist_pool):
+    msg, steps, plan = dist_pool(1).run(_fit, SHORT, {})[0]
+    assert msg is None and steps == 1 and plan is None
+    assert (
+        not enabled("auto", None, "cpu") and enabled("auto", None, "cuda") and enabled("auto", 1 << 30, "cpu")
+    )
+    assert not enabled(False, 1 << 30, "cuda")
+
+
+def test_a_plan_equal_to_the_planners_and_what_is_not_planned():
+    """No Trainer: the check's plan is the planner's (SGD, the batch's shape); models it cannot plan are skipped."""
+    parallel = SequenceParallelConfig(sequence_parallel_size=1).resolve(1, 1, "cpu")
+    model = tiny_model("llama")
+    batch = {"input_ids": torch.zeros(2, SHORT, dtype=torch.long)}
+    sgd = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    kw = dict(precision="32-true", capacity=parse_bytes(CAPACITY), where="here", device_type="cpu")
+    verdict = check_first_step(model, [model], sgd, parallel, batch, **kw)
+    assert verdict.fits and verdict.plan == _expected(SHORT, sequence_parallel_size=1, micro_batch_size=2)
+    with pytest.raises(Unplannable, match="no transformers model"):
+        check_first_step(torch.nn.Linear(2, 2), [], [], parallel, batch, **kw)
+    momentum = [torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)]
+    with pytest.raises(Unplannable, match="optimizer SGD"):
+        check_first_step(model, [model], momentum, parallel, batch, **kw)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    with pytest.raises(Unplannable, match="2,048 of 19,616 parameters are frozen"):
+        check_first_step(model, [model], sgd, parallel, batch, **kw)
+    moe = tiny_model("mixtral")
+    with pytest.raises(Unplannable, match="mixture-of-experts"):
+        check_first_step(moe, [moe], [], parallel, batch, **kw)
+
+
+def test_lora_is_planned_with_its_adapters():
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    parallel = SequenceParallelConfig(sequence_parallel_size=1).resolve(1, 1, "cpu")
+    adam = [torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad])]
+    batch = {"input_ids": torch.zeros(1, SHORT, dtype=torch.long)}
+    verdict = check_first_step(peft, [peft.get_base_model()], adam, parallel, batch, precision="32-true",
+                               capacity=1 << 40, where="here", device_type="cpu")  # fmt: skip
+    trainable = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    assert verdict.fits and verdict.plan.lora_rank == 4 and verdict.plan.trainable_params == trainable
+
+
+def test_the_settings_are_validated():
+    params = inspect.signature(UlyssesFPDTStrategy).parameters
+    assert params["fit_check"].default == "auto" and params["fit_check_device_memory"].default is None
+    assert fit_check_capacity("auto", "h100") == 80 << 30 == fit_check_capacity(True, "80GiB")
+    assert (
+        fit_check_capacity(False, "H100-80GB") == 80 << 30
+        and fit_check_capacity("auto", "141GB") == 141 * 10**9
+    )
+    with pytest.raises(ValueError, match="fit_check='yes': use 'auto'"):
+        UlyssesFPDTStrategy(fit_check="yes")
+    with pytest.raises(ValueError, match="fit_check_device_memory='80 bananas' is neither a memory size"):
+        UlyssesFPDTStrategy(fit_check_device_memory="80 bananas")
+    with pytest.raises(ValueError, match="fit_check=True on a 'cpu' device needs"):
+        enabled(True, None, "cpu")
+
+
+def test_the_shipped_configs_are_planned_as_lightning_longctx_plan_plans_them():
+    """Each shipped config's model (built on the meta device), settings and first batch give the fit check the
+    plan the CLI prints (those naming the model by ``model_config``; ``pretrained_path`` reads the same config)."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_longctx import enable_activation_checkpointing
+    from lightning_longctx.integrations.hf_config import build_config
+    from lightning_longctx.plan_cli import plan_kwargs_from_config
+
+    fields = {f.name for f in dataclasses.fields(SequenceParallelConfig)}
+    names = sorted(p.name for p in CONFIGS.glob("*.yaml") if "model_config:" in p.read_text())
+    assert len(names) >= 4, names
+    for name in names:
+        config = yaml.safe_load((CONFIGS / name).read_text())
+        trainer, model_args = config["trainer"], config["model"]["init_args"]
+        data = config["data"]["init_args"]
+        hf_config = build_config(dict(model_args["model_config"]), None, model_args.get("config_overrides"))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                hf_config, dtype=getattr(torch, model_args.get("dtype") or "float32")
+            )
+        if model_args.get("activation_checkpointing"):
+            enable_activation_checkpointing(model)
+        devices, world = trainer["devices"], trainer["devices"] * trainer.get("num_nodes", 1)
+        device = "cpu" if trainer.get("accelerator") == "cpu" else "cuda"
+        settings = {k: v for k, v in trainer["strategy"]["init_args"].items() if k in fields}
+        parallel = SequenceParallelConfig(**settings).resolve(world, devices, device)
+        batch = {"input_ids": torch.zeros(data.get("batch_size", 1), data["seq_len"], dtype=torch.long)}
+        adam = [torch.optim.AdamW(model.parameters())]
+        verdict = check_first_step(model, [model], adam, parallel, batch, precision=str(trainer["precision"]),
+                                   capacity=80 << 30, where="here", device_type=device)  # fmt: skip
+        model_config, kwargs, _ = plan_kwargs_from_config(config)
+        assert verdict.plan == plan_memory(model_config, **kwargs, device_memory=80 << 30), name

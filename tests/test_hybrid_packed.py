@@ -1,0 +1,86 @@
+"""Packed documents on hybrid and attention-free models: a packed row equals its documents run ALONE through
+the plain model (float64, loss and every gradient), on one device and at P = 2 and 4, Ulysses and FPDT, with
+documents of one token, documents across shard and chunk edges and starting exactly at them
+(``arch_sweep.PACKED_DOCS``), and under activation checkpointing (the recompute reads the batch's documents
+from the context). The mixer kinds that cannot reset their state yet refuse packed rows by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from arch_sweep import HYBRIDS, PACKED_EXACT, arch_by_name, build_model, make_packed_batch, sweep_packed
+
+from lightning_longctx import disable_sequence_parallel, enable_sequence_parallel, shard_batch
+from lightning_longctx.integrations.hybrid.base import Documents, to_segments
+from lightning_longctx.sharding import document_ids, global_index
+
+
+def _exact(rows: list[dict]) -> None:
+    bad = [(r["arch"], r["mode"], r["verdict"], r["reason"], r.get("bad_params", [])[:4]) for r in rows
+           if r["verdict"] != ("exact" if r["arch"] in PACKED_EXACT else "refused")]  # fmt: skip
+    assert not bad, bad
+
+
+@pytest.mark.parametrize(("world", "chunk"), [(2, None), (2, 4), (4, 4)])
+def test_document_pieces_of_each_segment(world, chunk):
+    """Every segment's tokens split into one piece per document, right-aligned, the halo before the first piece
+    only and only where that piece continues a document; scatter inverts gather."""
+    pos = torch.stack(
+        [torch.cat([torch.arange(n) for n in lengths]) for lengths in ((5, 1, 2, 9, 7, 8), (16, 1, 15))]
+    )
+    docs = document_ids(pos)
+    for rank in range(world):
+        local = 32 // world
+        index = global_index(local, rank=rank, world=world, chunk_size=chunk)
+        c = local if chunk is None else chunk
+        d = Documents.build(docs, c, index, 2)
+        values = index + 1 + 100 * torch.arange(2)[:, None]  # (b, local): 1 + global index, 100 per row
+        x = to_segments(values.double()[..., None], 1, c)  # (N, c, 1)
+        halo = torch.full((x.shape[0], 2, 1), -1.0, dtype=torch.float64)
+        pieces = d.gather(x, 1, halo)[..., 0]  # (pieces, 2 + L)
+        assert torch.equal(d.scatter(pieces[..., None], 1), x)
+        for p, piece in enumerate(pieces):
+            tokens = piece[piece > 0].long()
+            row, at = int(tokens[0] // 100), tokens % 100 - 1  # the row and the global index of each token
+            assert len(set(docs[row, at].tolist())) == 1, "a piece holds one document"
+            assert torch.equal(at, torch.arange(int(at[0]), int(at[0]) + len(at))), (
+                "consecutive, right-aligned"
+            )
+            assert bool((piece[-len(at) :] > 0).all())
+            seg = int((d.first <= p).nonzero().max())
+            continues = p == int(d.first[seg]) and at[0] > 0 and docs[row, at[0] - 1] == docs[row, at[0]]
+            assert bool((piece == -1).any()) == bool(continues), (
+                "the halo only before a continuing first piece"
+            )
+
+
+def test_packed_rows_on_one_device_with_checkpointing():
+    """P = 1 (no process group): the packed-correct result the plain model does not give, recompute included."""
+    rows = sweep_packed("fpdt", ["qwen3_5_text", "mamba"], checkpointing=True)
+    _exact(rows)
+
+
+def test_packed_qwen3_next_two_ranks_fpdt(dist_pool):
+    """Gated DeltaNet + gated attention + experts, P = 2, FPDT chunks of 4: a document starting at a shard start,
+    one-token documents, documents across chunks."""
+    for rows in dist_pool(2).run(sweep_packed, "fpdt", ["qwen3_next"]):
+        _exact(rows)
+
+
+def test_unsupported_mixers_refuse_packed_rows_by_name():
+    model = enable_sequence_parallel(build_model(arch_by_name("rwkv")))
+    try:
+        with pytest.raises(ValueError, match="its mixer RwkvSelfAttention cannot yet reset its"):
+            model(**shard_batch(make_packed_batch()))
+    finally:
+        disable_sequence_parallel(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["ulysses", "fpdt"])
+def test_packed_hybrids_match_their_documents_alone(dist_pool, mode, world):
+    """Every hybrid of the sweep: exact (:data:`arch_sweep.PACKED_EXACT`) or refused by name, never wrong."""
+    rows = dist_pool(world).run(sweep_packed, mode, list(HYBRIDS))[0]
+    assert [r["arch"] for r in rows] == list(HYBRIDS)
+    _exact(rows)
