@@ -6,7 +6,8 @@
 
 Every trial is one drawn configuration run on real gloo ranks against the single-process reference
 (``tests/fuzz_common.py``: exact / refused / failing; a dead rank or a hang is failing, with the ranks
-named). Prints a table of verdicts per mode and world size, every failing configuration as a line ready
+named). The strategy target also draws the evaluation callbacks (``PositionalLoss``, ``NeedleRetrieval``) in a
+validation run after the step: their metrics must equal the reference's too. Prints a table of verdicts per mode and world size, every failing configuration as a line ready
 to paste into ``REGRESSIONS`` of tests/test_fuzz.py, and writes the JSON (``--out``: the counts, the refusals by message and every failing case).
 """
 
@@ -114,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     for why, n in refusals.most_common():
         print(f"  refused x{n}: {why}")
+    drawn = {
+        name: sum(1 for r in rows if getattr(r["case"], attr, None) not in (None, False))
+        for name, attr in (("PositionalLoss", "positional_loss"), ("NeedleRetrieval", "needle"))
+    }
+    if args.target == "strategy":
+        print("validation callbacks drawn: " + ", ".join(f"{k} in {v} trials" for k, v in drawn.items()))
     failing = [r for r in rows if r["verdict"].kind == "failing"]
     if failing:
         print("\nfailing configurations, ready to paste into REGRESSIONS (tests/test_fuzz.py):")
@@ -128,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(), "summary": table, "worst_exact_error": worst,
         "seconds_per_trial": {"mean": sum(seconds) / max(len(seconds), 1), "max": max(seconds, default=0.0)},
         "refusals": dict(refusals.most_common()),
+        "callbacks_drawn": drawn if args.target == "strategy" else {},
         "failing": [{"case": asdict(r["case"]), "verdict": asdict(r["verdict"])} for r in failing],
     })  # fmt: skip
     print(f"wrote {out}")

@@ -6,16 +6,20 @@ gradient accumulation, Ulysses or FPDT (chunk size), FPDT offload and overlap, a
 offload, DDP or FSDP2 (with or without model-state offload to the host, with or without tensor parallelism over
 2 ranks: dp = world / (sp * tp); models without a TP plan or with heads not divisible refuse), packed documents (position ids
 restarting at 0, the first label of a document ignored as ``DataCollatorWithFlattening`` does), the sequence
-length (also one that does not divide), the loss normalization and a checkpoint round trip after the step
-(sharded or full: saved, the parameters overwritten, loaded back). :func:`run_strategy` trains one optimizer step (SGD) under
+length (also one that does not divide), the loss normalization, a checkpoint round trip after the step
+(sharded or full: saved, the parameters overwritten, loaded back) and the evaluation callbacks in a validation
+run after the step: ``PositionalLoss`` (by token or by document position) and ``NeedleRetrieval`` (a short
+passkey grid). :func:`run_strategy` trains one optimizer step (SGD) under
 ``UlyssesFPDTStrategy`` on every rank and compares EVERY parameter with a single-process loop on the
 same global batch, which runs each packed document on its own (so the reference knows nothing of our
-document masks): relative error within :data:`TOLERANCE`, or a clear refusal (``fuzz_common``).
+document masks), and the callbacks' metrics with the same loop's model after its step: relative error within
+:data:`TOLERANCE`, or a clear refusal (``fuzz_common``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -33,6 +37,8 @@ TIMEOUT_S = 240.0  # per example: one Trainer step of a tiny model; world 4 on 2
 FLOOR = 1e-3
 LR = 0.5
 VOCAB = 96  # arch_sweep's vocabulary
+POSITIONAL_BUCKETS = dict(first=4, log_base=2)  # 0-3, 4-7, 8-15, 16-31
+NEEDLE_DEPTHS = (0.0, 1.0)
 
 
 def _dense_archs() -> tuple[list[str], list[str]]:
@@ -67,6 +73,11 @@ class StratCase:
     seed: int = 0
     #: after the step: save a checkpoint in this format, scramble the parameters, load it back (None: no)
     checkpoint: str | None = None
+    #: a validation run after the step with ``PositionalLoss(by=...)`` ("token" / "document"; None: none)
+    positional_loss: str | None = None
+    #: the same validation run scores a passkey grid with ``NeedleRetrieval`` (models whose forward takes
+    #: ``logits_to_keep``; the callback refuses the others, tests/test_needle.py)
+    needle: bool = False
 
     @property
     def mode(self) -> str:
@@ -105,7 +116,12 @@ def strategy_cases(draw: st.DrawFn, archs: list[str] | None = None) -> StratCase
         case = dataclasses.replace(case, cpu_offload=draw(st.booleans()))
         if world % (2 * sp) == 0:
             case = dataclasses.replace(case, tensor_parallel_size=draw(st.sampled_from([1, 2])))
-    return dataclasses.replace(case, checkpoint=draw(st.sampled_from([None, "sharded", "full"])))
+    case = dataclasses.replace(case, checkpoint=draw(st.sampled_from([None, "sharded", "full"])))
+    return dataclasses.replace(
+        case,
+        positional_loss=draw(st.sampled_from([None, "token", "document"])),
+        needle=draw(st.booleans()),
+    )
 
 
 class FuzzDataset(Dataset):
@@ -164,6 +180,70 @@ def _token_loss_sum(model: torch.nn.Module, row: dict) -> tuple[torch.Tensor, in
     return total, count
 
 
+def _token_losses(model: torch.nn.Module, row: dict) -> list[tuple[int, int, float]]:
+    """``(token position, document position, loss)`` of every valid target of the sample, each document run
+    alone as :func:`_token_loss_sum` runs it."""
+    out = []
+    with torch.no_grad():
+        for a, b in _documents(row):
+            ids, labels = row["input_ids"][a:b], row["labels"][a:b]
+            targets = torch.cat([labels[1:], labels.new_full((1,), -100)])
+            logits = model(input_ids=ids[None], position_ids=torch.arange(b - a)[None]).logits[0]
+            ce = F.cross_entropy(logits.double(), targets, ignore_index=-100, reduction="none")
+            out += [(a + t, t, float(ce[t])) for t in range(b - a) if int(targets[t]) != -100]
+    return out
+
+
+def positional_reference(model: torch.nn.Module, data: FuzzDataset, by: str) -> dict[tuple[int, int], float]:
+    """What ``PositionalLoss(first=4, log_base=2, by=by)`` logs for one validation run over every row of
+    ``data``: the token mean per bucket, bucketed here by hand."""
+    from lightning_longctx.callbacks.positional_loss import bucket_edges
+
+    edges = bucket_edges(**POSITIONAL_BUCKETS)
+    sums: dict[int, list[float]] = {}
+    for row in data.rows:
+        for token, document, loss in _token_losses(model, row):
+            where = token if by == "token" else document
+            k = max(j for j in range(len(edges) - 1) if edges[j] <= where)
+            sums.setdefault(k, []).append(loss)
+    return {(edges[k], edges[k + 1] - 1): sum(v) / len(v) for k, v in sums.items()}
+
+
+class CharTokenizer:
+    """Characters as the ids 3 .. VOCAB - 1 (the sweep's vocabulary): the needle grid's tokenizer."""
+
+    def encode(self, text: str) -> list[int]:
+        return [3 + ord(ch) % (VOCAB - 3) for ch in text]
+
+    def __len__(self) -> int:
+        return VOCAB
+
+
+def needle_prompt():
+    from lightning_longctx.callbacks.needle import PasskeyPrompt
+
+    return PasskeyPrompt(
+        CharTokenizer(), "ab. cd. ef.", needle="k{key}.", question="k?", task="", key_digits=2, add_bos=False
+    )
+
+
+def needle_reference(
+    model: torch.nn.Module, lengths: tuple[int, ...]
+) -> dict[str, dict[tuple[int, float], float]]:
+    """What ``NeedleRetrieval`` records for :func:`needle_prompt` on one process: per cell the fraction of its
+    prompts retrieved (teacher-forced exact match) and the answer tokens' mean cross entropy."""
+    prompt, accuracy, loss = needle_prompt(), {}, {}
+    with torch.no_grad():
+        for n in lengths:
+            for d in NEEDLE_DEPTHS:
+                s = prompt.sample(n, d, 0)
+                logits = model(input_ids=s.input_ids[None]).logits[0, n - s.answer_len - 1 : n - 1].double()
+                target = s.input_ids[n - s.answer_len :]
+                accuracy[(n, d)] = float(bool((logits.argmax(-1) == target).all()))
+                loss[(n, d)] = float(F.cross_entropy(logits, target))
+    return {"accuracy": accuracy, "loss": loss}
+
+
 def reference_step(case: StratCase, model: torch.nn.Module, data: FuzzDataset) -> None:
     """One SGD step of one process on the global batch (dp ranks x micro-batches, Lightning's sampler
     order): the token mean over the whole window, or the mean of the micro-batches' means."""
@@ -190,7 +270,6 @@ def run_strategy(case: StratCase) -> tuple[str, object]:
     import torch.distributed as dist
     from arch_sweep import arch_by_name, build_model
 
-    from helpers.hf_models import HFModule
     from helpers.lightning import lightning_env
     from lightning_longctx import UlyssesFPDTStrategy
 
@@ -198,7 +277,8 @@ def run_strategy(case: StratCase) -> tuple[str, object]:
     lightning_env()
     data = FuzzDataset(case.dp * case.accumulate, case.seq, case.packed, case.seed)
     arch = arch_by_name(case.arch)
-    module = HFModule(build_model(arch), lr=LR, dataset=data)
+    module = _validated_module(build_model(arch), data)
+    callbacks = _callbacks(case, module.model)
     try:
         strategy = UlyssesFPDTStrategy(
             sequence_parallel_size=case.sp,
@@ -216,9 +296,10 @@ def run_strategy(case: StratCase) -> tuple[str, object]:
         trainer = L.Trainer(
             strategy=strategy, accelerator="cpu", devices=case.world, max_steps=1,
             accumulate_grad_batches=case.accumulate, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks.values()),
+            num_sanity_val_steps=0, limit_val_batches=1.0 if callbacks else 0,
         )  # fmt: skip
-        trainer.fit(module)
+        trainer.fit(module)  # validates after its step when a callback is drawn
     except REFUSALS as e:
         return refusal_or_raise(e)
     if case.checkpoint is not None:
@@ -240,7 +321,62 @@ def run_strategy(case: StratCase) -> tuple[str, object]:
         raise AssertionError(
             f"{case}: no parameter moved in the reference step: the comparison proves nothing"
         )
-    return "ran", worst
+    return "ran", max(worst, _callbacks_error(case, callbacks, ref, data))
+
+
+def _validated_module(model: torch.nn.Module, data: FuzzDataset):
+    """``HFModule`` (the user's training step), plus the user's validation step, ``self.model(**batch)``, over the
+    training rows."""
+    from torch.utils.data import DataLoader
+
+    from helpers.hf_models import HFModule
+
+    class ValidatedModule(HFModule):
+        def validation_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def val_dataloader(self):
+            return DataLoader(self.dataset, batch_size=1)
+
+    return ValidatedModule(model, lr=LR, dataset=data)
+
+
+def _callbacks(case: StratCase, model: torch.nn.Module) -> dict[str, object]:
+    from lightning_longctx.callbacks import NeedleRetrieval, PositionalLoss
+
+    out: dict[str, object] = {}
+    if case.positional_loss is not None:
+        out["positional"] = PositionalLoss(**POSITIONAL_BUCKETS, by=case.positional_loss, plot=False)
+    if case.needle and "logits_to_keep" in inspect.signature(type(model).forward).parameters:
+        lengths = (case.seq, case.seq + 5)
+        out["needle"] = NeedleRetrieval(lengths, NEEDLE_DEPTHS, samples=1, prompt=needle_prompt(), plot=False)
+    return out
+
+
+def _callbacks_error(
+    case: StratCase, callbacks: dict[str, object], ref: torch.nn.Module, data: FuzzDataset
+) -> float:
+    """The drawn callbacks' metrics (fp64, before Lightning's logging) against the reference model after its
+    step: the worst relative error; a missing bucket or a different cell outcome raises."""
+    ref.eval()
+    worst = 0.0
+    positional = callbacks.get("positional")
+    if positional is not None:
+        got, want = positional.history[-1]["loss"], positional_reference(ref, data, case.positional_loss)
+        if set(got) != set(want):
+            raise AssertionError(
+                f"{case}: PositionalLoss buckets {sorted(got)} != one process's {sorted(want)}"
+            )
+        worst = max(worst, *(abs(got[k] - v) / abs(v) for k, v in want.items()))
+    needle = callbacks.get("needle")
+    if needle is not None:
+        run, want = needle.history[-1], needle_reference(ref, needle.lengths)
+        if run["accuracy"] != want["accuracy"]:
+            raise AssertionError(
+                f"{case}: needle cells {run['accuracy']} != one process's {want['accuracy']}"
+            )
+        worst = max(worst, *(abs(run["loss"][k] - v) / abs(v) for k, v in want["loss"].items()))
+    return worst
 
 
 def _checkpoint_round_trip(trainer) -> None:

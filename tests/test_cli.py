@@ -86,6 +86,44 @@ def test_demo_cpu_trains_recall_well_above_chance_with_sp2(tmp_path):
     assert tokens_per_sec and min(tokens_per_sec) > 0 and mfu and min(mfu) > 0
 
 
+DEMO_LONG = CONFIGS / "demo_long_cpu.yaml"
+
+
+def _fit_config_in_rank(config: str) -> None:
+    """A pool rank: ``lightning-longctx fit --config CONFIG`` through the console script's entry point."""
+    from helpers.lightning import lightning_env
+
+    lightning_env()
+    assert main(["fit", f"--config={config}"]) == 0
+
+
+@pytest.mark.slow  # two warm ranks, in-process: a few seconds
+def test_demo_long_cpu_short_variant_logs_the_needle_grid_and_loss_by_position(dist_pool, tmp_path):
+    """The long demo's config, shortened (512 tokens, 3 steps, a 2 x 3 grid): FPDT on 2 ranks, one validation
+    run, both evaluation callbacks logged and drawn."""
+    cfg = yaml.safe_load(DEMO_LONG.read_text())
+    trainer = cfg["trainer"]
+    trainer.update(max_steps=3, val_check_interval=3, enable_checkpointing=False, enable_progress_bar=False)
+    trainer["logger"]["init_args"]["save_dir"] = str(tmp_path)
+    trainer["strategy"]["init_args"]["fpdt_chunk_size"] = 64
+    cfg["data"]["init_args"]["seq_len"] = 512
+    (needle,) = [c for c in trainer["callbacks"] if c["class_path"].endswith("NeedleRetrieval")]
+    (positional,) = [c for c in trainer["callbacks"] if c["class_path"].endswith("PositionalLoss")]
+    needle["init_args"].update(lengths=[256, 512], samples=2, batch_size=2)
+    positional["init_args"]["buckets"] = [128, 256, 384, 512]
+    config = tmp_path / "short.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    dist_pool(2).run(_fit_config_in_rank, str(config))
+    (metrics,) = tmp_path.glob("*/version_*/metrics.csv")
+    (row,) = [r for r in csv.DictReader(metrics.open()) if r.get("val/needle/mean")]
+    cells = {f"val/needle/{n}/{d}" for n in (256, 512) for d in ("0", "0.5", "1")}
+    buckets = {f"val/loss_by_position/{a}-{a + 127}" for a in (128, 256, 384)}
+    assert cells | buckets <= {k for k, v in row.items() if v}, row
+    assert all(0.0 <= float(row[k]) <= 1.0 for k in cells)
+    for png in ("needle.png", "loss_by_position.png"):
+        assert (metrics.parent / png).read_bytes()[:4] == b"\x89PNG"
+
+
 # ---- configs and sbatch examples ----
 
 

@@ -39,9 +39,10 @@ PUBLIC = {
 
 def test_all_is_frozen():
     assert set(lightning_longctx.__all__) == PUBLIC
-    assert {"MFUMonitor", "MemoryMonitor", "PositionalLoss"} <= set(callbacks.__all__)
+    assert {"MFUMonitor", "MemoryMonitor", "PositionalLoss", "NeedleRetrieval"} <= set(callbacks.__all__)
     assert set(recipes.__all__) == {
-        "CausalLM", "RecallAccuracy", "RecallDataModule", "RecallDataset", "recall_accuracy", "warmup_cosine"
+        "CausalLM", "RecallAccuracy", "RecallDataModule", "RecallDataset", "recall_accuracy", "warmup_cosine",
+        "LongRecallDataModule", "LongRecallDataset", "LongRecallPrompt",
     }  # fmt: skip
 
 

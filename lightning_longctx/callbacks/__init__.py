@@ -1,17 +1,19 @@
 """Lightning callbacks that know about sequence parallelism: throughput/MFU, memory, checkpoints, preemption,
-validation loss by position."""
+validation loss by position, needle-in-a-haystack retrieval."""
 
 from __future__ import annotations
 
 from lightning_longctx.callbacks.checkpoint import PeriodicCheckpoint
 from lightning_longctx.callbacks.memory import MemoryMonitor, max_over_ranks
 from lightning_longctx.callbacks.mfu import MFUMonitor
+from lightning_longctx.callbacks.needle import NeedleRetrieval
 from lightning_longctx.callbacks.positional_loss import PositionalLoss
 from lightning_longctx.preemption import Preempted, Preemption
 
 __all__ = [
     "MFUMonitor",
     "MemoryMonitor",
+    "NeedleRetrieval",
     "PeriodicCheckpoint",
     "PositionalLoss",
     "Preempted",

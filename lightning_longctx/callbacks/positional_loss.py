@@ -187,6 +187,28 @@ def _outermost_hf_models(module: nn.Module) -> list[nn.Module]:
     return outermost_models(module)
 
 
+def log_equal(pl_module: L.LightningModule, name: str, value: float) -> None:
+    """Log a validation run's ``value``, equal on every rank already: once per run; "max" over the ranks keeps it
+    exact and Lightning quiet about unsynced epoch-level values."""
+    pl_module.log(name, value, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max", batch_size=1)
+
+
+def plot_path(trainer: L.Trainer, filename: str, owner: str) -> str | None:
+    """Where rank 0 writes a validation plot: ``filename`` in ``trainer.log_dir`` (made), or ``None`` on the other
+    ranks, without a log folder or without matplotlib (warned once, naming ``owner``). Every rank calls it:
+    ``trainer.log_dir`` is a broadcast under DDP."""
+    log_dir = trainer.log_dir
+    if not trainer.is_global_zero or log_dir is None:
+        return None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        rank_zero_warn(f"{owner}: matplotlib is not installed (`pip install matplotlib`); no plot.")
+        return None
+    os.makedirs(log_dir, exist_ok=True)
+    return os.path.join(log_dir, filename)
+
+
 class PositionalLoss(L.Callback):
     """In validation, the token-mean loss per position bucket of the GLOBAL sequence, exact under every
     layout (Ulysses, FPDT, packed documents, any sp x dp), equal to one process on the whole sequence.
@@ -290,16 +312,7 @@ class PositionalLoss(L.Callback):
                 "Hugging Face model with labels (self.model(**batch)); CausalLM needs eval_metric=False"
             )
         for (start, end), value in losses.items():
-            # equal on every rank already; "max" over ranks keeps it exact and Lightning quiet
-            pl_module.log(
-                f"{METRIC_PREFIX}{start}-{end}",
-                value,
-                on_step=False,
-                on_epoch=True,
-                sync_dist=True,
-                reduce_fx="max",
-                batch_size=1,
-            )
+            log_equal(pl_module, f"{METRIC_PREFIX}{start}-{end}", value)
         self.history.append({"step": trainer.global_step, "loss": losses})
         if self.plot and losses:
             self._write_plot(trainer)
@@ -316,17 +329,10 @@ class PositionalLoss(L.Callback):
 
     # ---- the plot --------------------------------------------------------------------------------
     def _write_plot(self, trainer: L.Trainer) -> None:
-        log_dir = trainer.log_dir  # a broadcast under DDP: every rank reads it, before the rank-zero part
-        if not trainer.is_global_zero or log_dir is None:
-            return
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            rank_zero_warn("PositionalLoss: matplotlib is not installed (`pip install matplotlib`); no plot.")
-            return
-        os.makedirs(log_dir, exist_ok=True)
-        self.plot_path = os.path.join(log_dir, self.filename)
-        self._save_plot(self.plot_path)
+        path = plot_path(trainer, self.filename, "PositionalLoss")
+        if path is not None:
+            self.plot_path = path
+            self._save_plot(path)
 
     def _save_plot(self, path: str) -> None:
         # the object API with its own Agg canvas: no pyplot, no change to the global backend
@@ -351,6 +357,8 @@ class PositionalLoss(L.Callback):
                 label=f"step {run['step']}" if named else None,
             )
         ax.set_xscale("log")
+        top = max(value for run in runs for value in run["loss"].values())
+        ax.set_ylim(0, 1.1 * top)  # from 0: a flat curve looks flat, not like noise magnified
         where = "in the sequence (token index)" if self.by == "token" else "within the document"
         ax.set_xlabel(f"position {where}, bucket middle")
         ax.set_ylabel("validation loss (token mean)")

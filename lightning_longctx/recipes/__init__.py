@@ -8,16 +8,29 @@ run as they are:
   and :func:`warmup_cosine` (the CLI's default ``--model``);
 * :mod:`~lightning_longctx.recipes.recall`: the demo's synthetic key/value recall task,
   :class:`RecallDataset` / :class:`RecallDataModule`, scored by :class:`RecallAccuracy` /
-  :func:`recall_accuracy`.
+  :func:`recall_accuracy`; the long-context demo's :class:`LongRecallDataset` / :class:`LongRecallDataModule`
+  (facts stated thousands of tokens before their questions) and its :class:`LongRecallPrompt` for
+  ``NeedleRetrieval``.
 """
 
 from __future__ import annotations
 
 from lightning_longctx.recipes.causal_lm import CausalLM, warmup_cosine
-from lightning_longctx.recipes.recall import RecallAccuracy, RecallDataModule, RecallDataset, recall_accuracy
+from lightning_longctx.recipes.recall import (
+    LongRecallDataModule,
+    LongRecallDataset,
+    LongRecallPrompt,
+    RecallAccuracy,
+    RecallDataModule,
+    RecallDataset,
+    recall_accuracy,
+)
 
 __all__ = [
     "CausalLM",
+    "LongRecallDataModule",
+    "LongRecallDataset",
+    "LongRecallPrompt",
     "RecallAccuracy",
     "RecallDataModule",
     "RecallDataset",

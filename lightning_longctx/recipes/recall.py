@@ -1,11 +1,15 @@
-"""The demo's long-context task: synthetic key/value recall, and the accuracy that scores it.
+"""The demos' long-context tasks: synthetic key/value recall, and the accuracy that scores it.
 
-:class:`RecallDataModule` is the data of ``examples/configs/demo_cpu.yaml``: keys and values are spread
-over the whole sequence and asked for at its end, so a model solves it only if attention reaches
-across every sequence shard. :class:`RecallAccuracy` (``val/recall_acc`` of
-:class:`~lightning_longctx.recipes.CausalLM`) counts argmax hits at the labelled positions and is
-exact under sequence parallelism. Built on the core's public pieces only
-(:class:`~lightning_longctx.data.ResumableDataLoader`, ``IGNORE_INDEX``); nothing here downloads anything.
+:class:`RecallDataModule` is the data of ``examples/configs/demo_cpu.yaml`` (128 tokens, the quick smoke run):
+keys and values are spread over the whole sequence and asked for at its end, so a model solves it only if
+attention reaches across every sequence shard. :class:`LongRecallDataModule` is the data of
+``examples/configs/demo_long_cpu.yaml`` (8,192 tokens): the values of a few keys are stated over one span of
+the sequence and asked for up to thousands of tokens after it; its :meth:`~LongRecallDataModule.needle_prompt`
+gives :class:`~lightning_longctx.callbacks.NeedleRetrieval` the same task as a grid of context lengths x depths
+of the span. :class:`RecallAccuracy` (``val/recall_acc`` of :class:`~lightning_longctx.recipes.CausalLM`) counts
+argmax hits at the labelled positions and is exact under sequence parallelism. Built on the core's public
+pieces only (:class:`~lightning_longctx.data.ResumableDataLoader`, ``IGNORE_INDEX``, the callbacks'
+``NeedlePrompt``); nothing here downloads anything.
 """
 
 from __future__ import annotations
@@ -20,10 +24,19 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from lightning_longctx.callbacks.needle import NeedlePrompt, NeedleSample
 from lightning_longctx.data import ResumableDataLoader
 from lightning_longctx.sharding import IGNORE_INDEX
 
-__all__ = ["RecallAccuracy", "RecallDataModule", "RecallDataset", "recall_accuracy"]
+__all__ = [
+    "LongRecallDataModule",
+    "LongRecallDataset",
+    "LongRecallPrompt",
+    "RecallAccuracy",
+    "RecallDataModule",
+    "RecallDataset",
+    "recall_accuracy",
+]
 
 
 def _sample_seed(seed: int, split: str, index: int) -> int:
@@ -219,6 +232,213 @@ class RecallDataModule(L.LightningDataModule):
         return ResumableDataLoader(
             self.val_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
         )
+
+
+class _LongRecallTokens:
+    """The token ids of the long-range recall task (``K`` keys, ``M`` values per key, ``F`` filler tokens)::
+
+    0                         PAD    (never produced; reserved)
+    1                         BLANK  the answer's slot after a query: the answer is its label, never its input
+    [2, 2 + K)                QUERY c: "what is key c's value?"
+    [2 + K, 2 + K + K*M)      value m of key c: 2 + K + c*M + m (a value names its key)
+    [2 + K + K*M, V)          filler
+    """
+
+    BLANK = 1
+
+    def __init__(self, num_keys: int, num_values: int, num_filler: int) -> None:
+        for name, value, least in (("num_keys", num_keys, 1), ("num_values", num_values, 2),
+                                   ("num_filler", num_filler, 1)):  # fmt: skip
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}={value!r} must be an integer >= {least}")
+        self.num_keys, self.num_values = num_keys, num_values
+        self.query0 = 2
+        self.value0 = self.query0 + num_keys
+        self.filler0 = self.value0 + num_keys * num_values
+        self.vocab_size = self.filler0 + num_filler
+
+    def sample(self, g: torch.Generator, seq_len: int, span: int, start: int) -> tuple[Tensor, Tensor, int]:
+        """``(ids (seq_len,), values (K,), end)``: filler, and from ``start`` a span of ``span`` tokens each the
+        value of a random key (every key's value is the sample's ``values[c]``); ``end`` = ``start + span``."""
+        ids = torch.randint(self.filler0, self.vocab_size, (seq_len,), generator=g)
+        values = torch.randint(0, self.num_values, (self.num_keys,), generator=g)
+        keys = torch.randint(0, self.num_keys, (span,), generator=g)
+        ids[start : start + span] = self.value0 + keys * self.num_values + values[keys]
+        return ids, values, start + span
+
+    def answer(self, key: Tensor | int, values: Tensor) -> Tensor:
+        return self.value0 + key * self.num_values + values[key]
+
+
+class LongRecallDataset(Dataset):
+    """Long-range recall: each sample gives a few keys values over one span, and asks for them long after.
+
+    Layout of one sample of ``seq_len`` tokens (ids: :class:`_LongRecallTokens`)::
+
+        filler ... [ span: values of the keys, in random order ] filler Q_c BLANK filler Q_c' BLANK ...
+
+    The span is ``evidence`` of the sequence, at a random place that leaves room after it (in the validation
+    split, with ``span_at_start``, at the start: every query is then at least its distance from the span). After
+    the span, a query ``Q_c`` starts each pair of positions with probability ``query_rate``; its answer, the
+    value of key ``c``, is the label of the ``BLANK`` that follows (never an input: only the span holds the
+    values). ``labels`` is ``-100`` everywhere else. Chance accuracy is ``1 / num_values``.
+
+    Every value token names its key, so one attention hop finds it (the span's tokens of class ``c``) and the
+    span holds many of them: a tiny model learns the task in minutes on a CPU at 8,192 tokens, which makes it a
+    demonstration of the plumbing (the queries far from the span read tokens held by another rank), not of a
+    model's skill. Sample ``i`` is a pure function of ``(seed, split, i)``.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_samples: int,
+        seq_len: int = 8192,
+        num_keys: int = 2,
+        num_values: int = 8,
+        num_filler: int = 16,
+        evidence: float = 0.25,
+        query_rate: float = 0.25,
+        span_at_start: bool = False,
+        seed: int = 0,
+        split: str = "train",
+    ) -> None:
+        self.tokens = _LongRecallTokens(num_keys, num_values, num_filler)
+        if not 0.0 < evidence < 1.0:
+            raise ValueError(f"evidence={evidence!r}: the span's fraction of the sequence, in (0, 1)")
+        if not 0.0 < query_rate <= 0.5:
+            raise ValueError(
+                f"query_rate={query_rate!r}: the fraction of positions after the span that are queries, in (0, 0.5]"
+            )
+        self.span = int(evidence * seq_len)
+        self.room = seq_len // 8  # the span ends at least this far from the end: room for queries
+        if num_samples < 0 or self.span < 1 or seq_len - self.span < self.room or self.room < 2:
+            raise ValueError(
+                f"seq_len={seq_len}, evidence={evidence}, num_samples={num_samples}: need num_samples >= 0 and a "
+                f"span of >= 1 token that leaves >= 1/8 of the sequence for queries (seq_len >= 16)"
+            )
+        self.num_samples, self.seq_len = num_samples, seq_len
+        self.query_rate, self.span_at_start = query_rate, span_at_start
+        self.seed, self.split = seed, split
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokens.vocab_size
+
+    @property
+    def chance_accuracy(self) -> float:
+        return 1.0 / self.tokens.num_values
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        """``{"input_ids": (seq_len,), "labels": (seq_len,)}``, both ``torch.long``."""
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"index {index} out of range for {self.num_samples} samples")
+        g = torch.Generator().manual_seed(_sample_seed(self.seed, self.split, index))
+        n, t = self.seq_len, self.tokens
+        last = n - self.span - self.room
+        start = 0 if self.span_at_start else int(torch.randint(0, last + 1, (1,), generator=g))
+        ids, values, end = t.sample(g, n, self.span, start)
+        labels = torch.full((n,), IGNORE_INDEX, dtype=torch.long)
+        pairs = torch.nonzero(torch.rand((n - end) // 2, generator=g) < 2 * self.query_rate)[:, 0]
+        at = end + 2 * pairs  # a query and its BLANK: both inside the sequence
+        keys = torch.randint(0, t.num_keys, (len(at),), generator=g)
+        ids[at], ids[at + 1] = t.query0 + keys, t.BLANK
+        labels[at + 1] = t.answer(keys, values)
+        return {"input_ids": ids, "labels": labels}
+
+
+class LongRecallPrompt(NeedlePrompt):
+    """The long-range recall task as a needle grid: filler, the span (``evidence`` of the length) at the depth,
+    filler, then one query and its answer (the value token itself: the prompt's last token, scored teacher
+    forced). Depth 0: the span opens the context, the query is ``(1 - evidence) x length`` tokens after it."""
+
+    def __init__(
+        self,
+        *,
+        num_keys: int = 2,
+        num_values: int = 8,
+        num_filler: int = 16,
+        evidence: float = 0.25,
+        seed: int = 0,
+    ) -> None:
+        self.tokens = _LongRecallTokens(num_keys, num_values, num_filler)
+        self.vocab_size = self.tokens.vocab_size
+        self.evidence, self.seed = evidence, seed
+        self.minimum_length = 4
+
+    def sample(self, length: int, depth: float, index: int) -> NeedleSample:
+        g = torch.Generator().manual_seed(_sample_seed(self.seed, f"needle/{length}/{depth!r}", index))
+        span = max(1, int(self.evidence * length))
+        start = round(depth * (length - 2 - span))
+        ids, values, _ = self.tokens.sample(g, length, span, start)
+        key = int(torch.randint(0, self.tokens.num_keys, (1,), generator=g))
+        ids[-2], ids[-1] = self.tokens.query0 + key, self.tokens.answer(key, values)
+        return NeedleSample(ids, answer_len=1, needle_at=start)
+
+
+class LongRecallDataModule(L.LightningDataModule):
+    """The long-range recall task (:class:`LongRecallDataset`): training samples with the span anywhere,
+    validation samples with the span at the start (queries up to ``seq_len`` tokens after it), and
+    :meth:`needle_prompt` for :class:`~lightning_longctx.callbacks.NeedleRetrieval`.
+
+    Args:
+        seq_len, num_keys, num_values, num_filler, evidence, query_rate: as in :class:`LongRecallDataset`.
+        batch_size: samples per batch per data-parallel rank.
+        train_samples / val_samples: dataset sizes.
+        seed: sample ``i`` of a split is a pure function of ``(seed, split, i)``.
+    """
+
+    def __init__(
+        self,
+        seq_len: int = 8192,
+        num_keys: int = 2,
+        num_values: int = 8,
+        num_filler: int = 16,
+        evidence: float = 0.25,
+        query_rate: float = 0.25,
+        batch_size: int = 1,
+        train_samples: int = 10000,
+        val_samples: int = 4,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.batch_size = batch_size
+        common = dict(
+            seq_len=seq_len, num_keys=num_keys, num_values=num_values, num_filler=num_filler, evidence=evidence,
+            query_rate=query_rate, seed=seed,
+        )  # fmt: skip
+        self.train_dataset = LongRecallDataset(num_samples=train_samples, split="train", **common)
+        self.val_dataset = LongRecallDataset(
+            num_samples=val_samples, split="val", span_at_start=True, **common
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.train_dataset.vocab_size
+
+    @property
+    def chance_accuracy(self) -> float:
+        return self.train_dataset.chance_accuracy
+
+    def needle_prompt(self, seed: int = 0) -> LongRecallPrompt:
+        """The task as :class:`~lightning_longctx.callbacks.NeedleRetrieval`'s grid (it asks for it)."""
+        hp = self.hparams
+        return LongRecallPrompt(
+            num_keys=hp.num_keys, num_values=hp.num_values, num_filler=hp.num_filler, evidence=hp.evidence,
+            seed=seed,
+        )  # fmt: skip
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return ResumableDataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True)
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        return ResumableDataLoader(self.val_dataset, batch_size=self.batch_size, shuffle=False)
 
 
 def recall_accuracy(
