@@ -37,10 +37,12 @@ if TYPE_CHECKING:  # imported on first access by __getattr__ below
 __all__ = [
     "ByteTokenizer",
     "HFDatasetDataModule",
+    "PackedDataModule",
     "PackedDataset",
     "ResumableDataLoader",
     "TextFilesDataModule",
     "pack_documents",
+    "validation_documents",
 ]
 
 
@@ -249,7 +251,48 @@ class PackedDataset(Dataset):
         return {k: v[index] for k, v in self.packed.items()}
 
 
-class TextFilesDataModule(L.LightningDataModule):
+def validation_documents(num_docs: int, fraction: float, seed: int) -> Tensor:
+    """``(num_docs,)`` bool: which documents are held out for validation. A seeded choice of whole documents
+    (no text is both trained and validated on), the same in every process; at least one whenever
+    ``fraction > 0``, and refused when none would be left for training. Shared by the datamodules."""
+    n_val = max(round(fraction * num_docs), 1) if fraction > 0 else 0
+    if n_val >= num_docs:
+        raise ValueError(
+            f"val_fraction={fraction} of {num_docs} documents leaves none for training; "
+            "add documents or lower val_fraction."
+        )
+    is_val = torch.zeros(num_docs, dtype=torch.bool)
+    is_val[torch.randperm(num_docs, generator=torch.Generator().manual_seed(seed))[:n_val]] = True
+    return is_val
+
+
+class PackedDataModule(L.LightningDataModule):
+    """The loaders of a datamodule whose ``setup()`` sets ``train_dataset`` and ``val_dataset`` (``None``: no
+    validation): resumable, shuffled for training, ``batch_size`` and ``num_workers`` from the subclass."""
+
+    train_dataset: Dataset | None
+    val_dataset: Dataset | None
+    batch_size: int
+    num_workers: int
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        return ResumableDataLoader(
+            self.train_dataset, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers
+        )
+
+    @override
+    def val_dataloader(self) -> DataLoader | list:
+        self.setup("validate")
+        if self.val_dataset is None:
+            return []  # no validation asked for: Lightning skips validation for an empty list
+        return ResumableDataLoader(
+            self.val_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
+        )
+
+
+class TextFilesDataModule(PackedDataModule):
     """Local text, tokenized and packed into ``seq_len`` sequences with document-resetting positions.
 
     Items: ``input_ids``, ``labels``, ``position_ids``, each ``(seq_len,)`` long; see
@@ -328,36 +371,11 @@ class TextFilesDataModule(L.LightningDataModule):
         docs = _read_documents(_find_files(self.paths), self.text_key)
         if not docs:
             raise ValueError(f"all documents in paths={self.paths} are empty; nothing to train on.")
-        # At least one validation document whenever validation was asked for.
-        n_val = max(round(self.val_fraction * len(docs)), 1) if self.val_fraction > 0 else 0
-        if n_val >= len(docs):
-            raise ValueError(
-                f"val_fraction={self.val_fraction} of {len(docs)} documents leaves none for training; "
-                "add documents or lower val_fraction."
-            )
-        # A seeded choice of validation documents, kept in their original order: the same split
-        # in every process, and whole documents, so no text is both trained and validated on.
-        is_val = torch.zeros(len(docs), dtype=torch.bool)
-        is_val[torch.randperm(len(docs), generator=torch.Generator().manual_seed(self.seed))[:n_val]] = True
+        is_val = validation_documents(len(docs), self.val_fraction, self.seed)
+        n_val = int(is_val.sum())
         pad = self.tokenizer.pad_token_id
         train_tokens = [self._tokenize(d) for d, v in zip(docs, is_val.tolist()) if not v]
         self.train_dataset = PackedDataset(pack_documents(train_tokens, seq_len=self.seq_len, pad_id=pad))
         if n_val:
             val_tokens = [self._tokenize(d) for d, v in zip(docs, is_val.tolist()) if v]
             self.val_dataset = PackedDataset(pack_documents(val_tokens, seq_len=self.seq_len, pad_id=pad))
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        self.setup("fit")
-        return ResumableDataLoader(
-            self.train_dataset, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers
-        )
-
-    @override
-    def val_dataloader(self) -> DataLoader | list:
-        self.setup("validate")
-        if self.val_dataset is None:
-            return []  # val_fraction=0: Lightning skips validation for an empty list
-        return ResumableDataLoader(
-            self.val_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
-        )

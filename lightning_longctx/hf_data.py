@@ -29,15 +29,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from typing_extensions import override
 
-from lightning_longctx.data import ResumableDataLoader, _HFTokenizer
+from lightning_longctx.data import PackedDataModule, _HFTokenizer, validation_documents
 from lightning_longctx.sharding import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -376,7 +375,7 @@ class ArrowPackedDataset(Dataset):
         }
 
 
-class HFDatasetDataModule(L.LightningDataModule):
+class HFDatasetDataModule(PackedDataModule):
     """A Hugging Face ``datasets`` corpus, tokenized once into the datasets cache and packed into ``seq_len``
     rows read memory-mapped: the datamodule for corpora larger than host memory.
 
@@ -665,17 +664,9 @@ class HFDatasetDataModule(L.LightningDataModule):
                 raise ValueError(f"no documents in the validation split {self.val_split!r}; check the data.")
             self.val_dataset = ArrowPackedDataset(val, **kw)
         elif self.val_fraction > 0:
-            # At least one validation document; a seeded choice kept in order, whole documents: the same
-            # split as TextFilesDataModule's, and the same in every process.
-            n_val = max(round(self.val_fraction * n), 1)
-            if n_val >= n:
-                raise ValueError(
-                    f"val_fraction={self.val_fraction} of {n} documents leaves none for training; add documents "
-                    "or lower val_fraction."
-                )
-            chosen = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed))[:n_val]
-            is_val = np.zeros(n, dtype=bool)
-            is_val[chosen.numpy()] = True
+            is_val = validation_documents(
+                n, self.val_fraction, self.seed
+            ).numpy()  # TextFilesDataModule's split
             rows = np.flatnonzero(~is_val)
             self.val_dataset = ArrowPackedDataset(train, rows=np.flatnonzero(is_val), **kw)
         self.train_dataset = ArrowPackedDataset(train, rows=rows, **kw)
@@ -691,20 +682,4 @@ class HFDatasetDataModule(L.LightningDataModule):
             f"HFDatasetDataModule: {d.num_documents} documents, {d.num_tokens} tokens -> {len(d)} rows of "
             f"{self.seq_len} (packing={self.packing!r})"
             + (f"; validation: {len(self.val_dataset)} rows" if self.val_dataset is not None else "")
-        )
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        self.setup("fit")
-        return ResumableDataLoader(
-            self.train_dataset, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers
-        )
-
-    @override
-    def val_dataloader(self) -> DataLoader | list:
-        self.setup("validate")
-        if self.val_dataset is None:
-            return []  # no validation asked for: Lightning skips validation for an empty list
-        return ResumableDataLoader(
-            self.val_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
         )

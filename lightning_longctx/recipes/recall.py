@@ -8,7 +8,7 @@ the sequence and asked for up to thousands of tokens after it; its :meth:`~LongR
 gives :class:`~lightning_longctx.callbacks.NeedleRetrieval` the same task as a grid of context lengths x depths
 of the span. :class:`RecallAccuracy` (``val/recall_acc`` of :class:`~lightning_longctx.recipes.CausalLM`) counts
 argmax hits at the labelled positions and is exact under sequence parallelism. Built on the core's public
-pieces only (:class:`~lightning_longctx.data.ResumableDataLoader`, ``IGNORE_INDEX``, the callbacks'
+pieces only (:class:`~lightning_longctx.data.PackedDataModule` (resumable loaders), ``IGNORE_INDEX``, the callbacks'
 ``NeedlePrompt``); nothing here downloads anything.
 """
 
@@ -17,15 +17,14 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-import lightning as L
 import torch
 import torchmetrics
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from typing_extensions import override
 
 from lightning_longctx.callbacks.needle import NeedlePrompt, NeedleSample
-from lightning_longctx.data import ResumableDataLoader
+from lightning_longctx.data import PackedDataModule
 from lightning_longctx.sharding import IGNORE_INDEX
 
 __all__ = [
@@ -166,7 +165,7 @@ class RecallDataset(Dataset):
         return {"input_ids": ids, "labels": labels}
 
 
-class RecallDataModule(L.LightningDataModule):
+class RecallDataModule(PackedDataModule):
     """Synthetic long-context key/value recall (see :class:`RecallDataset` for the token layout).
 
     A model solves it only if attention reaches across the whole sequence, so under sequence
@@ -220,18 +219,6 @@ class RecallDataModule(L.LightningDataModule):
     @property
     def chance_accuracy(self) -> float:
         return 1.0 / self.num_value_tokens
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        return ResumableDataLoader(
-            self.train_dataset, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers
-        )
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return ResumableDataLoader(
-            self.val_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
-        )
 
 
 class _LongRecallTokens:
@@ -379,7 +366,7 @@ class LongRecallPrompt(NeedlePrompt):
         return NeedleSample(ids, answer_len=1, needle_at=start)
 
 
-class LongRecallDataModule(L.LightningDataModule):
+class LongRecallDataModule(PackedDataModule):
     """The long-range recall task (:class:`LongRecallDataset`): training samples with the span anywhere,
     validation samples with the span at the start (queries up to ``seq_len`` tokens after it), and
     :meth:`needle_prompt` for :class:`~lightning_longctx.callbacks.NeedleRetrieval`.
@@ -407,6 +394,7 @@ class LongRecallDataModule(L.LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         self.batch_size = batch_size
+        self.num_workers = 0  # samples are made on access: cheap
         common = dict(
             seq_len=seq_len, num_keys=num_keys, num_values=num_values, num_filler=num_filler, evidence=evidence,
             query_rate=query_rate, seed=seed,
@@ -431,14 +419,6 @@ class LongRecallDataModule(L.LightningDataModule):
             num_keys=hp.num_keys, num_values=hp.num_values, num_filler=hp.num_filler, evidence=hp.evidence,
             seed=seed,
         )  # fmt: skip
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        return ResumableDataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return ResumableDataLoader(self.val_dataset, batch_size=self.batch_size, shuffle=False)
 
 
 def recall_accuracy(
