@@ -773,6 +773,16 @@ def _clean(message: str) -> str:
     return re.sub(r"0x[0-9a-f]+", "0x…", line)
 
 
+def _first_forward_failed(row: dict[str, Any], e: BaseException) -> dict[str, Any]:
+    """``row`` for a first forward that raised: ``refused`` when the package raised it, else a crash."""
+    row["where"] = _where(e)
+    if _raised_by_package(e):
+        row.update(verdict="refused", reason=_clean(str(e)))
+    else:
+        row["reason"] = f"crashed in the first forward ({type(e).__name__}: {_clean(str(e))})"
+    return row
+
+
 def _raised_by_package(exc: BaseException) -> bool:
     frames = traceback.extract_tb(exc.__traceback__)
     return bool(frames) and frames[-1].filename.startswith(PACKAGE_DIR)
@@ -821,12 +831,7 @@ def _run_one(arch: Arch, mode: str, group: Any) -> dict[str, Any]:
             if out.loss is None:
                 raise AssertionError("the sequence-parallel model returned no loss")
         except REFUSALS as e:
-            row["where"] = _where(e)
-            if _raised_by_package(e):
-                row.update(verdict="refused", reason=_clean(str(e)))
-            else:
-                row["reason"] = f"crashed in the first forward ({type(e).__name__}: {_clean(str(e))})"
-            return row
+            return _first_forward_failed(row, e)
         except Exception as e:
             row.update(
                 reason=f"crashed in the first forward ({type(e).__name__}: {_clean(str(e))})", where=_where(e)
@@ -975,12 +980,7 @@ def _run_packed(arch: Arch, mode: str, group: Any, checkpointing: bool = False) 
             enable_sequence_parallel(sp_model, group=group, mode=mode, chunk_size=chunk)
             loss = sp_model(**shard_batch(batch, group=group, chunk_size=chunk)).loss
         except REFUSALS as e:
-            row["where"] = _where(e)
-            if _raised_by_package(e):
-                row.update(verdict="refused", reason=_clean(str(e)))
-            else:
-                row["reason"] = f"crashed in the first forward ({type(e).__name__}: {_clean(str(e))})"
-            return row
+            return _first_forward_failed(row, e)
         ref_loss = _documents_alone(model, batch)  # after the forward: a refused model needs no reference
         ref_grads = _flat_grads(model)
         loss.backward()
