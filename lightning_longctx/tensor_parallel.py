@@ -28,8 +28,9 @@ from torch import nn
 from lightning_longctx.comm import all_gather_no_grad, all_gather_object, group_rank_size
 from lightning_longctx.mesh import TP_AXIS
 
-#: the plan styles checked exact against one process: Llama, Qwen2, Qwen3, Mistral, Mixtral (experts: the packed
-#: gate/up column-wise, down row-wise, their sum all-reduced) in tests/test_tensor_parallel.py, and the 35 dense
+#: the plan styles checked exact against one process: Llama, Qwen2, Qwen3, Mistral, Mixtral (experts, where its
+#: plan splits them, up to transformers 5.24: the packed gate/up column-wise, down row-wise, their sum
+#: all-reduced; from 5.25 the plan leaves them whole) in tests/test_tensor_parallel.py, and the 35 dense
 #: models of the architecture sweep that declare a plan (benchmarks/tp_sweep.py: Phi-3's and OLMo-2's gathered
 #: q/k/v, GPT-NeoX's row-split embedding, Granite-SWA's local sinks)
 TESTED_STYLES = (

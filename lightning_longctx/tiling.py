@@ -174,8 +174,8 @@ def untile_mlp_(module: nn.Module) -> nn.Module:
     if is_tiled(module):
         orig = module.__dict__.pop(_ORIG_ATTR)
         del module.__dict__[_TILE_ATTR]
-        if orig is None:
-            del module.__dict__["forward"]
+        if orig is None:  # (a hub-kernel re-kernelization may have deleted ours already)
+            module.__dict__.pop("forward", None)
         else:
             module.forward = orig
     return module

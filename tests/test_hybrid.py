@@ -148,6 +148,21 @@ class _HalfAdaptedMixer(nn.Module):
         return unadapted_scan(causal_conv1d_fn(x, torch.ones(1, 2)))
 
 
+class _MixerContext:  # the fields MixerCall reads
+    group = None
+    call_position_ids = None
+    positions = None
+    mixer_calls = 0
+
+    def __init__(self) -> None:
+        from lightning_longctx.integrations.transformers import _config_of
+
+        self.config = _config_of(None, "ulysses", None, False, "auto", None, None)
+
+    def local_chunk(self, n: int) -> None:
+        return None
+
+
 class _SometimesMixer(nn.Module):
     def forward(self, x: torch.Tensor, mix: bool = True) -> torch.Tensor:
         return causal_conv1d_fn(x, torch.ones(x.shape[1], 2)) if mix else x
@@ -162,26 +177,101 @@ def test_a_mixer_with_an_unadapted_kernel_is_refused():
 
 def test_a_mixer_call_that_skips_its_kernels_raises():
     from lightning_longctx.integrations.hybrid import patch_mixers, unpatch_mixers
-    from lightning_longctx.integrations.transformers import _config_of
-
-    class _Ctx:  # the fields MixerCall reads
-        group = None
-        call_position_ids = None
-        positions = None
-        mixer_calls = 0
-        config = _config_of(None, "ulysses", None, False, "auto", None, None)
-
-        def local_chunk(self, n: int) -> None:
-            return None
 
     mixer = _SometimesMixer()
-    patched = patch_mixers(nn.Sequential(mixer), _Ctx())
+    patched = patch_mixers(nn.Sequential(mixer), _MixerContext())
     x = torch.randn(1, 3, 5)
     assert torch.equal(mixer(x), x)  # the adapter ran: a halo of zeros, then the model's own function
     with pytest.raises(RuntimeError, match="ran without its sequence-parallel kernels"):
         mixer(x, mix=False)
     unpatch_mixers(patched)
     assert "forward" not in mixer.__dict__
+
+
+def conv_helper(x: torch.Tensor) -> torch.Tensor:  # transformers >= 5.25's causal_conv1d_forward, in short
+    return causal_conv1d_fn(x, torch.ones(x.shape[1], 2))
+
+
+conv_helper.__module__ = "transformers.models.fake.modeling_fake"
+
+
+def _func_module(fn) -> nn.Module:
+    """What ``kernels``' ``use_kernel_forward_from_hub`` turns a function into: a module instance whose class's
+    forward closes over it (transformers >= 5.25 installs ``kernels``)."""
+
+    class Func(nn.Module):
+        kernel_layer_name = fn.__name__ if fn is not None else "opaque"
+
+        def forward(self, *args, **kwargs):
+            return fn(*args, **kwargs)
+
+    return Func()
+
+
+conv_module = _func_module(conv_helper)
+opaque_module = _func_module(None)
+
+
+class _HelperMixer(nn.Module):  # reaches its kernel only through a helper: plain, then as a kernels module
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return conv_module(conv_helper(x))
+
+
+class _OpaqueMixer(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return opaque_module(causal_conv1d_fn(x, torch.ones(1, 2)))
+
+
+def test_a_kernel_reached_through_a_helper_is_adapted():
+    """A mixer whose kernel call sits in a helper of its modeling file (transformers 5.25 moved every short
+    conv into ``causal_conv1d_forward``) is found, and the helper runs with the adapter; a kernels function
+    module whose function cannot be read is refused as a kernel nobody adapted."""
+    from lightning_longctx.integrations.hybrid import patch_mixers, unpatch_mixers
+
+    mixer = _HelperMixer()
+    assert find_mixers(nn.Sequential(mixer)) == [mixer]
+    patched = patch_mixers(nn.Sequential(mixer), _MixerContext())
+    x = torch.randn(1, 3, 5)
+    assert torch.equal(mixer(x), x)
+    assert patched[0].call.kernel_calls == 2  # both paths reached the adapter
+    unpatch_mixers(patched)
+    with pytest.raises(ValueError, match=r"_OpaqueMixer calls opaque_module, which has no sequence-parallel"):
+        find_mixers(nn.Sequential(_OpaqueMixer()))
+
+
+def test_hub_kernels_cannot_erase_the_patches(tmp_path):
+    """transformers >= 5.25 kernelizes what ``from_pretrained`` loads and again at every train() / eval()
+    switch, deleting instance forwards of hub-decorated modules (gated DeltaNet, the norms). Sequence
+    parallelism turns the hub kernels off, keeps its forwards across the switches, refuses a model kernelized
+    again, and turns them back on when undone."""
+    pytest.importorskip("kernels")
+    from transformers import AutoModelForCausalLM
+
+    from lightning_longctx.tiling import is_tiled
+
+    _hybrid().save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
+    if not getattr(model, "use_kernels", False):
+        pytest.skip("this transformers does not kernelize what from_pretrained loads")
+    enable_sequence_parallel(model, mode="fpdt", chunk_size=4)  # FPDT: the MLPs and norms tiled too
+    assert model.use_kernels is False
+    model.eval()
+    model.train()
+    mixer = find_mixers(model)[0]
+    assert mixer.forward.__func__.__name__ == "_checked_forward"
+    tiled = [m for m in model.modules() if is_tiled(m)]
+    assert tiled and all("forward" in m.__dict__ for m in tiled)
+    ids = torch.randint(1, 60, (1, 8))
+    batch = dict(
+        input_ids=ids, labels=ids, shift_labels=torch.roll(ids, -1, 1), position_ids=torch.arange(8)[None]
+    )
+    assert torch.isfinite(model(**batch).loss)
+    model.use_kernels = True
+    with pytest.raises(RuntimeError, match="was kernelized"):
+        model(**batch)
+    model.use_kernels = False
+    disable_sequence_parallel(model)
+    assert model.use_kernels is True
 
 
 @pytest.mark.slow

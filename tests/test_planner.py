@@ -823,8 +823,10 @@ def test_tensor_parallel_state_is_the_plans_local_shards(arch, mode):
         assert local == 10912
 
 
-def test_tensor_parallel_splits_mixtrals_experts_not_its_router():
-    """Mixtral: the packed gate/up experts column-wise, down row-wise, the router (``mlp.gate``) and norms whole.
+def test_tensor_parallel_counts_mixtrals_experts_as_its_plan_splits_them():
+    """Mixtral: the router (``mlp.gate``) and norms whole; the experts as the model's own plan says. Up to
+    transformers 5.24 the plan splits the packed gate/up column-wise and down row-wise; from 5.25 it leaves the
+    experts to an expert-parallel plan, so under tensor parallelism they stay whole (FSDP still shards them).
     (plan_memory itself does not plan mixture-of-experts configs: their dims; this is its parameter count.)"""
     from helpers.hf_models import tiny_config, tiny_model
     from lightning_longctx.planner.shapes import _count_params, _TPSplit
@@ -833,10 +835,17 @@ def test_tensor_parallel_splits_mixtrals_experts_not_its_router():
     total, block, root, _, _, split = _count_params(tiny_config("mixtral"))
     local, local_block, local_root = _tp_local_counts(model, 2, vocab_parallel=True)
     assert total == sum(p.numel() for p in model.parameters())
-    assert total - _TPSplit.removed(split.blocks, 2) - split.head // 2 == local == 24992  # fake process group
+    assert total - _TPSplit.removed(split.blocks, 2) - split.head // 2 == local
     assert block - _TPSplit.removed(split.block, 2) == local_block
     assert root - split.head // 2 == local_root
-    assert "moe_tp_experts" in split.styles and "packed_colwise" in split.styles
+    experts = model.model.layers[0].mlp.experts
+    whole_experts = sum(p.numel() for p in experts.parameters()) * len(model.model.layers)
+    if any("experts" in k for k in type(model.config).base_model_tp_plan):
+        assert "moe_tp_experts" in split.styles and "packed_colwise" in split.styles
+        assert local == 24992  # the real plan applied on a 2-rank fake process group said so
+    else:
+        assert not {"moe_tp_experts", "packed_colwise"} & set(split.styles)
+        assert local - whole_experts == 24992 - whole_experts // 2  # the same count, its experts whole
 
 
 def _tp_pair(config: dict, **kw: Any) -> tuple[Any, Any]:

@@ -291,6 +291,14 @@ class PositionsHook:
         self.index = index  # position of ``position_ids`` among the forward's positional arguments
 
     def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # kernelized again after enable_sequence_parallel turned the hub kernels off
+        if getattr(module, "_use_kernels", False):
+            raise RuntimeError(
+                f"{type(module).__name__} was kernelized (use_kernels=True) after it was made sequence-parallel: "
+                "hub kernels replace the forwards sequence parallelism installed (tiled MLPs and norms, hybrid "
+                "mixers), which would then see only this rank's shard. Leave use_kernels off, or call "
+                "disable_sequence_parallel(model) first"
+            )
         pos = kwargs.get("position_ids")
         if pos is None and self.index is not None and len(args) > self.index:
             pos = args[self.index]

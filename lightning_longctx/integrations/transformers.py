@@ -422,6 +422,7 @@ def enable_sequence_parallel(
         rope_limit=rope_limit(model.config),
     )
     saved = ctx.restore
+    saved["kernels_mode"] = _turn_off_hub_kernels(model)  # before any forward of ours is installed
     # length-dependent RoPE (dynamic NTK, longrope) reads the GLOBAL length; refused when it cannot (rope.py)
     saved["rotary"] = patch_rotary(model, ctx, name)
     saved["attn_implementation"] = model.config._attn_implementation
@@ -498,6 +499,23 @@ def _config_of(
     return settings.resolve(world_size=world, devices_per_node=0, device_type="cpu")
 
 
+def _turn_off_hub_kernels(model: nn.Module) -> Any:
+    """Turn off the model's hub kernels; returns the mode they were on in (``None``: they were off).
+
+    From transformers 5.25 (which depends on the ``kernels`` package) ``from_pretrained`` kernelizes the model
+    by default and kernelizes it again at every ``train()`` / ``eval()`` switch: every module whose class is
+    decorated ``use_kernel_forward_from_hub`` (the norms, gated DeltaNet, ...) gets its instance ``forward``
+    replaced by a hub kernel or deleted. That erases the forwards installed here (tiled MLPs and norms, hybrid
+    mixers), and a mixer back on its own forward mixes only this rank's shard. So the model runs without them
+    (``use_kernels=False``); :func:`disable_sequence_parallel` turns them back on."""
+    for module in model.modules():
+        mode = getattr(module, "kernels_mode", None)
+        if getattr(module, "use_kernels", False) and hasattr(module, "reset_kernels"):
+            module.reset_kernels()  # each kernelized module's forward back to the class's
+            return mode if mode is not None else True
+    return None
+
+
 def disable_sequence_parallel(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_sequence_parallel`: the model's attention, cache setting, loss, forward and
     MLPs are as before, its hooks are removed and its attention and mask key are unregistered. Returns
@@ -526,4 +544,7 @@ def disable_sequence_parallel(model: nn.Module) -> nn.Module:
     for name in (*saved.get("tiled_mlps", ()), *saved.get("tiled_norms", ())):
         untile_mlp_(modules[name])
     _unregister(ctx.key)
+    if saved.get("kernels_mode") is not None:  # the hub kernels it had before
+        mode = saved["kernels_mode"]
+        model.set_use_kernels(True, mode=None if mode is True else mode)
     return model

@@ -67,6 +67,7 @@ for _kind in _KINDS:  # one module per mixer kind, each declaring what it adapts
     FUSED_OFF.update(getattr(_kind, "FUSED_OFF", ()))
     REFUSED.update(getattr(_kind, "REFUSED", ()))
     METHODS.update(getattr(_kind, "METHODS", {}))
+_KNOWN = ADAPTERS.keys() | FUSED_OFF | REFUSED
 
 
 def _fused_off(*args: Any, **kwargs: Any) -> None:
@@ -92,7 +93,7 @@ def _adapted_methods(cls: type) -> dict[str, Callable[..., Any]]:
     found: dict[str, Callable[..., Any]] = {}
     for klass in reversed(cls.__mro__[:-1]):  # subclasses override
         for attr, fn in vars(klass).items():
-            if isinstance(fn, types.FunctionType) and global_names(fn) & ADAPTERS.keys():
+            if isinstance(fn, types.FunctionType) and _reach(fn).keys() & ADAPTERS.keys():
                 found[attr] = fn
             elif attr in found:
                 del found[attr]
@@ -117,20 +118,82 @@ def _checked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
+#: a ``kernels`` function module whose function we could not find: treated as a kernel nobody adapted
+_OPAQUE = object()
+
+
+def _function_of(value: Any) -> Any:
+    """The function behind ``value``: itself, or for a function decorated with ``use_kernel_forward_from_hub``
+    while the ``kernels`` package is installed (transformers >= 5.25 depends on it) the ``nn.Module`` instance
+    that decorator returns, the function its class's forward closes over (:data:`_OPAQUE` if none)."""
+    if isinstance(value, nn.Module) and hasattr(value, "kernel_layer_name"):
+        cells = getattr(type(value).forward, "__closure__", None) or ()
+        found = [c.cell_contents for c in cells if isinstance(c.cell_contents, types.FunctionType)]
+        return found[0] if len(found) == 1 else _OPAQUE
+    return value
+
+
 def _is_kernel(value: Any) -> bool:
     """A kernel function of a transformers modeling file: wrapped by its hub-kernel decorator
     (``use_kernel_func_from_hub_with_fallback``: fla / mamba-ssm / causal-conv1d or the torch fallback)."""
-    return (
-        isinstance(value, types.FunctionType)
-        and hasattr(value, "__wrapped__")
-        and (value.__module__ or "").startswith("transformers.models.")
+    fn = _function_of(value)
+    return fn is _OPAQUE or (
+        isinstance(fn, types.FunctionType)
+        and hasattr(fn, "__wrapped__")
+        and (fn.__module__ or "").startswith("transformers.models.")
     )
 
 
-def _kernels_of(methods: dict[str, Callable[..., Any]]) -> tuple[set[str], dict[str, Any]]:
-    """The global names a mixer's methods read, and the modeling file's namespace they resolve in."""
-    names = set().union(*(global_names(fn) for fn in methods.values()))
-    return names, inspect.unwrap(next(iter(methods.values()))).__globals__
+def _helper(value: Any) -> types.FunctionType | None:
+    """The plain function of a transformers modeling file (not a hub kernel) behind ``value``: a helper a mixer
+    calls, whose body may call the kernels (transformers >= 5.25 runs every short conv through
+    ``causal_conv1d_forward``); else ``None``."""
+    fn = _function_of(value)
+    if isinstance(fn, types.FunctionType) and not _is_kernel(fn):
+        return fn if (fn.__module__ or "").startswith("transformers.models.") else None
+    return None
+
+
+@functools.cache
+def _reach(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The kernels ``fn`` calls (adapted, fused, refused, or a kernel we do not know), by the global name that
+    calls them: read in its own body and, transitively, in the bodies of the modeling file's helpers it
+    calls. A kernel reached only through a helper would otherwise run unadapted, on this rank's shard."""
+    found: dict[str, Any] = {}
+    seen: set[Any] = set()
+    todo = [fn]
+    while todo:
+        inner = inspect.unwrap(todo.pop())
+        if inner in seen:
+            continue
+        seen.add(inner)
+        scope = inner.__globals__
+        for name in global_names(inner) & scope.keys():
+            value = scope[name]
+            if name in _KNOWN or _is_kernel(value):
+                found[name] = value
+            elif (helper := _helper(value)) is not None:
+                todo.append(helper)
+    return found
+
+
+def _rebound(fn: Callable[..., Any], call: MixerCall) -> Callable[..., Any]:
+    """``fn`` with every kernel it calls resolved to ``call``'s adapter (fused ones off, decoding ones
+    refused), through the helpers that reach one: each helper rebound the same way."""
+    inner = inspect.unwrap(fn)
+    scope = inner.__globals__
+    overrides: dict[str, Any] = {}
+    for name in global_names(fn) & scope.keys():
+        value = scope[name]
+        if name in ADAPTERS:
+            overrides[name] = functools.partial(ADAPTERS[name], call, value)
+        elif name in FUSED_OFF:
+            overrides[name] = _fused_off
+        elif name in REFUSED:
+            overrides[name] = functools.partial(_refused, call, name)
+        elif (helper := _helper(value)) is not None and _reach(helper).keys() & _KNOWN:
+            overrides[name] = _rebound(helper, call)  # the plain function, rebound (not its kernels module)
+    return rebind(fn, overrides) if overrides else fn
 
 
 def find_mixers(model: nn.Module) -> list[nn.Module]:
@@ -141,9 +204,10 @@ def find_mixers(model: nn.Module) -> list[nn.Module]:
         methods = _adapted_methods(type(module))
         if not methods:
             continue
-        names, scope = _kernels_of(methods)
-        known = ADAPTERS.keys() | FUSED_OFF | REFUSED
-        missing = sorted(n for n in names - known if _is_kernel(scope.get(n)))
+        kernels: dict[str, Any] = {}
+        for fn in methods.values():
+            kernels.update(_reach(fn))
+        missing = sorted(kernels.keys() - _KNOWN)
         if missing:
             raise ValueError(
                 f"{type(module).__name__} calls {', '.join(missing)}, which has no sequence-parallel adapter "
@@ -162,23 +226,13 @@ def patch_mixers(
     patched = []
     for module in find_mixers(model) if mixers is None else mixers:
         methods = _adapted_methods(type(module))
-        names, scope = _kernels_of(methods)
+        names = set().union(*(_reach(fn).keys() for fn in methods.values()))
         cls = type(module).__name__
         packed = (names & ADAPTERS.keys()) <= PACKED and (cls not in METHODS or cls in PACKED)
         call = MixerCall(context, cls, packed=packed)
-        overrides: dict[str, Any] = {}
-        for name in names & scope.keys():
-            if name in ADAPTERS:
-                overrides[name] = functools.partial(ADAPTERS[name], call, scope[name])
-            elif name in FUSED_OFF:
-                overrides[name] = _fused_off
-            elif name in REFUSED:
-                overrides[name] = functools.partial(_refused, call, name)
-        own = METHODS.get(type(module).__name__, {})
+        own = METHODS.get(cls, {})
         for attr, fn in methods.items():
-            if global_names(fn) & ADAPTERS.keys():
-                fn = rebind(fn, overrides)
-            method: Any = types.MethodType(fn, module)
+            method: Any = types.MethodType(_rebound(fn, call), module)
             if attr in own:  # the adapter wraps the model's own method (itself rebound, if it calls kernels)
                 method = functools.partial(own[attr], call, method)  # a deep copy rebinds it to the copy
             setattr(module, attr, method)
