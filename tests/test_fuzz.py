@@ -90,6 +90,15 @@ STRATEGY_REGRESSIONS = {
     "mamba_packed_sp2_ckpt": StratCase(
         arch="mamba", world=2, sp=2, seq=16, activation_checkpointing=True, packed=True, seed=13,
     ),
+    # ... under tensor parallelism: the plan splits attention and the MLPs, the mixers stay whole on each TP rank
+    # and exchange halos and states over their own sp group
+    "qwen3_5_packed_tp2_sp2_fpdt": StratCase(
+        arch="qwen3_5_text", world=4, sp=2, seq=24, fpdt_chunk_size=4, data_parallel="fsdp",
+        tensor_parallel_size=2, packed=True, seed=17,
+    ),
+    "bamba_packed_tp2_sp2": StratCase(
+        arch="bamba", world=4, sp=2, seq=16, data_parallel="fsdp", tensor_parallel_size=2, packed=True, seed=19,
+    ),
 }  # fmt: skip
 
 
