@@ -912,7 +912,8 @@ def _merge(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 PACKED_DOCS = ((5, 1, 2, 9, 7, 8), (16, 1, 15))
 #: The hybrids whose packed rows are exact; the others refuse them by name (``hybrid/base.py``).
 PACKED_EXACT = ("lfm2", "qwen3_next", "qwen3_5_text", "jamba", "bamba", "falcon_h1", "granitemoehybrid",
-                "nemotron_h", "olmo_hybrid", "kimi_linear", "mamba", "mamba2", "falcon_mamba")  # fmt: skip
+                "nemotron_h", "olmo_hybrid", "recurrent_gemma", "kimi_linear", "mamba", "mamba2",
+                "falcon_mamba")  # fmt: skip
 #: float64 models; the kernels' own float32 insides (gated DeltaNet, Mamba-2) set the error floor.
 PACKED_TOLERANCE = 1e-5
 
@@ -1056,7 +1057,7 @@ the fla / causal-conv1d / mamba-ssm kernel on GPU and the torch fallback on CPU 
 | gated DeltaNet, Kimi delta attention (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi-Linear) | the state S (heads x d_k x d_v) | the segment is affine in its entry state, `S_out = M S_in + B`: one call of the model's function with values `[v \\| 0]` from the entry state `[0 \\| I]` gives `o⁰`, `R`, `B`, `M`; `exclusive_affine_scan` (one all-gather of `[M \\| B]`) gives `S_in`; `o = o⁰ + R S_in` | (P-1) x heads x d_k x (d_k + d_v) fp32 forward, (P-1) x heads x d_k x d_v backward | exact: one piece per document, neutral tokens (`β = 0, g = 0`) in front; `M = 0` where a document starts |
 | Mamba-2 SSD (Mamba-2, Bamba, Falcon-H1, Granite-4 hybrid, Nemotron-H) | the state (heads x d_head x d_state) | the same scan with a scalar decay per head `M = exp(A ΣΔ)` in closed form; `y += exp(A cumΔ_t) S_in C_t` | (P-1) x heads x (1 + d_head x d_state) fp32 forward | exact: pieces from a zero state, the correction on the first piece only; `M = 0` where a document starts |
 | Mamba-1 selective scan (Mamba, Falcon-Mamba, Jamba) | the diagonal state (d_inner x d_state) | the scan takes no entry state: `B_r` and the correction `C_t (exp(A cumΔ_t) ⊙ S_in)` (before the `silu(z)` gate) in closed form | (P-1) x 2 d_inner x d_state fp32 forward | exact: as Mamba-2 (`B_r` from the last piece) |
-| RG-LRU and its conv (RecurrentGemma) | the diagonal state (lru_width) and k-1 conv inputs | halo for the conv; `h = h⁰ + (∏ a) ⊙ S_in`, the reset at global position 0 | (P-1) x 2 lru_width | refused |
+| RG-LRU and its conv (RecurrentGemma) | the diagonal state (lru_width) and k-1 conv inputs | halo for the conv; `h = h⁰ + (∏ a) ⊙ S_in`, the model's own reset at position 0 | (P-1) x 2 lru_width | exact (the conv by pieces; the RG-LRU resets itself) |
 | lightning attention (MiniMax) | the state (heads x d x d), decay `λ` fixed per head | the forward's block loop per segment from zero, `o += λ^(t+1) q_t S_in`, `M = λ^c` | (P-1) x heads x d² | refused |
 | RWKV-4 (token shift + WKV), xLSTM mLSTM | the previous token; a log-scale state `(num, den, max)` / `(C, n, m)` | a one-token halo for the shift; summaries from zero folded in log scale, then the model's own kernel run again from the true entry state (the output is a ratio, not affine) | (P-1) x 4 d_att (RWKV); (P-1) x heads x (d_qk d_v + d_qk + 2) (xLSTM) | refused |
 
@@ -1067,9 +1068,9 @@ the entry state and the halo (masked to its own document: ids from the batch's g
 collective), and a segment holding a document start passes no earlier state on (`M = 0`), so gradients stop
 there too. Exact in float64 against each document run alone, P = 1, 2, 4, Ulysses and FPDT, activation
 checkpointing included (tests/test_hybrid_packed.py): LFM2, Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi-Linear,
-Jamba, Bamba, Falcon-H1, Granite-4 hybrid, Nemotron-H, Mamba, Mamba-2, Falcon-Mamba (Zamba2 takes the same
-Mamba-2 adapter). RecurrentGemma, MiniMax, RWKV and xLSTM refuse packed rows, naming the mixer: train them on
-one document per row.
+Jamba, Bamba, Falcon-H1, Granite-4 hybrid, Nemotron-H, RecurrentGemma, Mamba, Mamba-2, Falcon-Mamba (Zamba2
+takes the same Mamba-2 adapter). MiniMax, RWKV and xLSTM refuse packed rows, naming the mixer: train them on one
+document per row.
 """
 
 

@@ -90,6 +90,10 @@ STRATEGY_REGRESSIONS = {
     "mamba_packed_sp2_ckpt": StratCase(
         arch="mamba", world=2, sp=2, seq=16, activation_checkpointing=True, packed=True, seed=13,
     ),
+    "recurrent_gemma_packed_fpdt_sp2_ckpt": StratCase(
+        arch="recurrent_gemma", world=2, sp=2, seq=24, fpdt_chunk_size=4, activation_checkpointing=True,
+        packed=True, seed=23,
+    ),
     # ... under tensor parallelism: the plan splits attention and the MLPs, the mixers stay whole on each TP rank
     # and exchange halos and states over their own sp group
     "qwen3_5_packed_tp2_sp2_fpdt": StratCase(

@@ -12,8 +12,8 @@ recurrence is a method or written inline (RecurrentGemma, MiniMax, RWKV's token 
 :data:`METHODS` replaces that one method of the instance with an adapter around it.
 
 Packed rows (position ids restarting at 0) are exact for the kinds whose module sets ``PACKED = True`` (short
-convolutions, the delta rule, Mamba-2, Mamba-1): a packed row equals its documents run one by one, on one
-device too. A mixer that calls any other adapter refuses them (:func:`packed_documents_refusal`).
+convolutions, the delta rule, Mamba-2, Mamba-1, RecurrentGemma's RG-LRU): a packed row equals its documents
+run one by one, on one device too. A mixer that calls any other adapter refuses them (:func:`packed_documents_refusal`).
 
 A mixer whose forward runs without calling an adapter (a path we did not adapt) raises at that call; a
 model with mixers that no adapter covers is refused at patch time (``integrations/masks.py``).

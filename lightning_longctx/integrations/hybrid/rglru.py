@@ -9,8 +9,8 @@ own padding), and the outputs ``k-1 .. k-1+c`` are kept. Bytes: ``(k-1) * lru_wi
 each way.
 
 RG-LRU. ``RecurrentGemmaRglru._rnn_scan`` runs ``h_t = a'_t ⊙ h_{t-1} + x_t`` with ``a'_t = a_t ⊙ ¬reset_t``
-(``reset``: position id 0, the global sequence start, which only the first segment of rank 0 holds: the
-positions are global) in float32, ``h`` ``(b, lru_width)``. A diagonal recurrence is affine in its entry
+(``reset``: position id 0, a document start; unpacked, only the global sequence start, which only the first
+segment of rank 0 holds: the positions are global) in float32, ``h`` ``(b, lru_width)``. A diagonal recurrence is affine in its entry
 state: ``h_t = h⁰_t + P_t ⊙ S_in`` with ``h⁰`` the model's own scan from a zero state and
 ``P_t = ∏_{s<=t} a'_s`` (``torch.cumprod``; its backward is exact at the reset's zero), so
 ``S_out = M ⊙ S_in + B`` with ``M = P_last``, ``B = h⁰_last``.
@@ -19,6 +19,11 @@ state: ``h_t = h⁰_t + P_t ⊙ S_in`` with ``h⁰`` the model's own scan from a
 scan's backward carries the state gradient across ranks. The normalisation ``sqrt(1 - a²)`` and the gates
 are per token (the Rglru's own forward, unchanged); at position 0 the model skips the normalisation, and
 only the segment holding global position 0 sees ``reset``, exactly as on one device.
+
+Packed documents (position ids restarting at 0): the convolution runs on one piece per document (its halo
+masked to the document, as ``conv.py`` does); the RG-LRU needs nothing more, since the model resets at every
+position 0 (``a'_t = 0`` there, no normalisation), so ``P_t = 0`` from a segment's first document start on:
+that segment passes no earlier state on, and the tokens before it still take the entry state.
 
 Caches (``use_cache=True``, decoding, an entry state given to ``_rnn_scan``) are refused.
 """
@@ -45,10 +50,15 @@ def _causal_conv(sp: MixerCall, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tenso
     local = x.shape[-1]
     c = sp.check(local, halo=halo)
     u = local // c
+    docs = sp.documents(local, x.shape[0], halo, x.device)
     segs = to_segments(x, 2, c)  # (u*b, channels, c)
+    before = segs[..., :0]
     if halo:
         before = halo_exchange(segs[..., c - halo :].unflatten(0, (u, -1)), sp.group).flatten(0, 1)
-        segs = torch.cat([before, segs], dim=-1)
+    if docs is not None:  # one piece per document, right-aligned behind zeros, its halo masked to it
+        pieces = docs.gather(segs, 2, before)  # (pieces, channels, h + L)
+        return from_segments(docs.scatter(conv(pieces)[..., : pieces.shape[-1]], 2), 2, u)
+    segs = torch.cat([before, segs], dim=-1)
     # output j of the padded conv reads inputs j-(k-1)..j: with the halo in front, outputs halo..halo+c-1
     # are the segment's tokens, each reading only real inputs (the halo or the segment itself)
     out = conv(segs)[..., halo : halo + c]
@@ -106,6 +116,9 @@ def rnn_scan(
     return from_segments(out, 1, u), exit_state
 
 
+PACKED = (
+    True  # the conv by pieces; the RG-LRU resets itself where position ids restart (P_t = 0 after a reset)
+)
 METHODS = {
     "RecurrentGemmaRecurrentBlock": {"forward": recurrent_block_forward},
     "RecurrentGemmaRglru": {"_rnn_scan": rnn_scan},
