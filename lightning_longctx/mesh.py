@@ -16,6 +16,9 @@ from typing import Any
 #: as torchtitan, Megatron and Accelerate order theirs
 MESH_AXES = ("data_parallel", "sequence_parallel", "tensor_parallel")
 DP_AXIS, SP_AXIS, TP_AXIS = MESH_AXES
+#: with ``ring > 1`` the sequence-parallel axis is two: the ring outside (across nodes: one k/v block per step,
+#: hidden behind compute), Ulysses inside (the all-to-alls on the fast links); sp rank ``s = j * U + u``
+RING_AXIS, ULYSSES_AXIS = "sp_ring", "sp_ulysses"
 #: the flattened ``data_parallel x sequence_parallel`` axis: the ranks holding one copy of the non-TP state,
 #: over which FSDP2 shards and DDP averages (the name of the first axis of an FSDP2 + TP DTensor's mesh)
 REPLICA_AXIS = "dp_sp"
@@ -31,6 +34,7 @@ class ParallelLayout:
     world_size: int
     sp: int
     tp: int = 1
+    ring: int = 1  # ring attention's degree inside sp (Ulysses degree sp / ring); 1: Ulysses alone
     devices_per_node: int = 0  # 0: unknown
 
     def __post_init__(self) -> None:
@@ -44,13 +48,31 @@ class ParallelLayout:
                 f"sequence_parallel_size={self.sp} must divide the world size {self.world_size}{tp} "
                 f"(num_nodes x devices); pick a divisor of {self.world_size // self.tp}, e.g. the devices per node"
             )
+        if self.ring < 1 or self.sp % self.ring:
+            raise ValueError(
+                f"ring_size={self.ring} must divide sequence_parallel_size={self.sp}: the sequence-parallel ranks "
+                f"are ring_size rings of sp / ring_size Ulysses ranks; pick a divisor of {self.sp}"
+            )
 
     @property
     def dp(self) -> int:
         return self.world_size // (self.sp * self.tp)
 
+    @property
+    def ulysses(self) -> int:
+        """The Ulysses degree U = sp / ring: the ranks of one all-to-all."""
+        return self.sp // self.ring
+
     def sp_rank(self, rank: int) -> int:
         return (rank // self.tp) % self.sp
+
+    def ring_rank(self, rank: int) -> int:
+        """j of sp rank ``s = j * U + u``: the ring position."""
+        return self.sp_rank(rank) // self.ulysses
+
+    def ulysses_rank(self, rank: int) -> int:
+        """u of sp rank ``s = j * U + u``: the position in the Ulysses group."""
+        return self.sp_rank(rank) % self.ulysses
 
     def dp_rank(self, rank: int) -> int:
         return rank // (self.sp * self.tp)
@@ -69,7 +91,8 @@ class ParallelLayout:
 
     def __str__(self) -> str:
         tp = f" x tensor_parallel {self.tp}" if self.tp > 1 else ""
-        return f"world {self.world_size} = data_parallel {self.dp} x sequence_parallel {self.sp}{tp}"
+        ring = f" (ring {self.ring} x ulysses {self.ulysses})" if self.ring > 1 else ""
+        return f"world {self.world_size} = data_parallel {self.dp} x sequence_parallel {self.sp}{ring}{tp}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +103,9 @@ class WorldMesh:
     ``(dp_sp, tensor_parallel)``); ``replicas``: 1-D over the ``dp * sp`` ranks of one TP index (FSDP2's
     mesh, DDP's group); ``tp``: 1-D over the ``tp`` consecutive ranks (TP's DTensors); ``sp_group`` /
     ``dp_group``: the process groups of the sequence-parallel and data-parallel axes. ``flattened``: whether
-    ``replicas`` is a flattened view of the 3-D root (else the fallback root; see :func:`build_world_mesh`)."""
+    ``replicas`` is a flattened view of the 3-D root (else the fallback root; see :func:`build_world_mesh`).
+    ``ring_group`` / ``ulysses_group``: with ``layout.ring > 1``, the two parts of the sp group (the ranks of
+    one ring, ``U`` apart in sp order; the ``U`` consecutive ranks of one all-to-all); ``None`` otherwise."""
 
     layout: ParallelLayout
     root: Any
@@ -89,6 +114,8 @@ class WorldMesh:
     sp_group: Any
     dp_group: Any
     flattened: bool
+    ring_group: Any = None
+    ulysses_group: Any = None
 
     @property
     def tp_group(self) -> Any:
@@ -120,6 +147,8 @@ def build_world_mesh(layout: ParallelLayout, device_type: str, *, flatten: bool 
         from torch.distributed.device_mesh import DeviceMesh
 
         flatten = can_flatten(DeviceMesh)
+    if layout.ring > 1:
+        return _ring_mesh(layout, device_type, flatten)
     if flatten:
         root = init_device_mesh(device_type, (layout.dp, layout.sp, layout.tp), mesh_dim_names=MESH_AXES)
         return WorldMesh(
@@ -148,4 +177,58 @@ def build_world_mesh(layout: ParallelLayout, device_type: str, *, flatten: bool 
         sp_group=sp_group,
         dp_group=dp_group,
         flattened=False,
+    )
+
+
+def _ring_mesh(layout: ParallelLayout, device_type: str, flatten: bool) -> WorldMesh:
+    """:func:`build_world_mesh` with the sp axis split into ``(sp_ring, sp_ulysses)``: the root is 4-D
+    ``(data_parallel, sp_ring, sp_ulysses, tensor_parallel)``, the sp group its flattened ``(sp_ring,
+    sp_ulysses)`` view (the same ranks as the 3-D mesh's sp axis) and ``replicas`` the flattened
+    ``(data_parallel, sp_ring, sp_ulysses)``. Without ``_flatten`` the root is the same 2-D fallback and every
+    group is enumerated from its ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = (layout.dp, layout.ring, layout.ulysses, layout.tp)
+    if flatten:
+        names = (DP_AXIS, RING_AXIS, ULYSSES_AXIS, TP_AXIS)
+        root = init_device_mesh(device_type, dims, mesh_dim_names=names)
+        return WorldMesh(
+            layout=layout,
+            root=root,
+            replicas=root[DP_AXIS, RING_AXIS, ULYSSES_AXIS]._flatten(REPLICA_AXIS),
+            tp=root[TP_AXIS],
+            sp_group=root[RING_AXIS, ULYSSES_AXIS]._flatten(SP_AXIS).get_group(),
+            dp_group=root[DP_AXIS].get_group(),
+            flattened=True,
+            ring_group=root[RING_AXIS].get_group(),
+            ulysses_group=root[ULYSSES_AXIS].get_group(),
+        )
+    import torch.distributed as dist
+
+    root = init_device_mesh(device_type, (layout.replicas, layout.tp), mesh_dim_names=(REPLICA_AXIS, TP_AXIS))
+    ranks = root.mesh.reshape(dims)  # global ranks at (dp, j, u, tp) coordinates
+    dp, r, u, tp = dims
+    # every rank creates every group, in the same order (new_group is a collective over the world)
+    sp_group, _ = dist.new_subgroups_by_enumeration(
+        [ranks[d, :, :, t].flatten().tolist() for d in range(dp) for t in range(tp)]
+    )
+    dp_group, _ = dist.new_subgroups_by_enumeration(
+        [ranks[:, j, i, t].tolist() for j in range(r) for i in range(u) for t in range(tp)]
+    )
+    ring_group, _ = dist.new_subgroups_by_enumeration(
+        [ranks[d, :, i, t].tolist() for d in range(dp) for i in range(u) for t in range(tp)]
+    )
+    ulysses_group, _ = dist.new_subgroups_by_enumeration(
+        [ranks[d, j, :, t].tolist() for d in range(dp) for j in range(r) for t in range(tp)]
+    )
+    return WorldMesh(
+        layout=layout,
+        root=root,
+        replicas=root[REPLICA_AXIS],
+        tp=root[TP_AXIS],
+        sp_group=sp_group,
+        dp_group=dp_group,
+        flattened=False,
+        ring_group=ring_group,
+        ulysses_group=ulysses_group,
     )

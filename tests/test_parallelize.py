@@ -51,6 +51,48 @@ def test_world_mesh_groups_follow_the_layout_with_and_without_flatten(dist_pool,
             assert got["names"] == ((REPLICA_AXIS,), (TP_AXIS,)) and got["one_root"], got
 
 
+def _ring_mesh_groups(sp: int, ring: int, tp: int, flatten: bool) -> dict:
+    layout = ParallelLayout(world_size=dist.get_world_size(), sp=sp, tp=tp, ring=ring)
+    mesh = build_world_mesh(layout, "cpu", flatten=flatten)
+    ranks = dist.get_process_group_ranks
+    return {
+        "sp": ranks(mesh.sp_group),
+        "dp": ranks(mesh.dp_group),
+        "tp": ranks(mesh.tp_group),
+        "replicas": ranks(mesh.replica_group),
+        "ring": ranks(mesh.ring_group),
+        "ulysses": ranks(mesh.ulysses_group),
+        "one_root": mesh.replicas._get_root_mesh() is mesh.tp._get_root_mesh(),
+    }
+
+
+@pytest.mark.parametrize("sp, ring, tp", [(4, 2, 1), (4, 4, 1), (2, 2, 2), (2, 2, 1)])
+def test_ring_axis_splits_the_sp_group_ring_outside_ulysses_inside(dist_pool, sp, ring, tp):
+    """``ring > 1`` (issue 32): sp rank ``s = j * U + u``; a ring group holds the ranks of one (dp, u, tp), U apart
+    in sp order; a Ulysses group the U consecutive sp ranks of one (dp, j, tp); the sp, dp, tp and replica
+    groups are those of the same layout without a ring. Both with ``_flatten`` and the enumerated fallback."""
+    pool = dist_pool(4)
+    plain = pool.run(_mesh_groups, sp, tp, True)
+    layout = ParallelLayout(world_size=4, sp=sp, tp=tp, ring=ring)
+    for flatten in (True, False):
+        for rank, (got, want) in enumerate(zip(pool.run(_ring_mesh_groups, sp, ring, tp, flatten), plain)):
+            for key in ("sp", "dp", "tp", "replicas"):
+                assert got[key] == want[key], (flatten, rank, key)
+            same = [r for r in got["sp"] if r % tp == rank % tp]  # this rank's sp group, in sp order
+            assert got["ring"] == [r for r in same if layout.ulysses_rank(r) == layout.ulysses_rank(rank)]
+            assert got["ulysses"] == [r for r in same if layout.ring_rank(r) == layout.ring_rank(rank)]
+            assert len(got["ring"]) == ring and len(got["ulysses"]) == sp // ring and got["one_root"]
+    assert [layout.sp_rank(r) for r in range(4)] == [
+        layout.ring_rank(r) * layout.ulysses + layout.ulysses_rank(r) for r in range(4)
+    ]
+
+
+def test_ring_size_must_divide_the_sp_size():
+    with pytest.raises(ValueError, match=r"ring_size=3 must divide sequence_parallel_size=4"):
+        ParallelLayout(world_size=4, sp=4, ring=3)
+    assert "ring 2 x ulysses 2" in str(ParallelLayout(world_size=8, sp=4, ring=2))
+
+
 def test_mode_is_a_string_enum():
     assert SequenceParallelConfig(fpdt_chunk_size=8).mode is Mode.FPDT
     assert (
