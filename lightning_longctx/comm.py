@@ -627,3 +627,40 @@ def exclusive_affine_scan(
     ``u*P`` small states; every rank of ``group`` must call it, rank 0 too, whose first entry state is
     zero (a rank that skipped the backward collective would hang the others)."""
     return _ExclusiveAffineScan.apply(M, B, apply, group)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ring attention: point-to-point passes around the ring
+# ---------------------------------------------------------------------------------------------------
+
+
+def ring_pass_async(x: torch.Tensor, group: Group = None, *, tag: int = 0) -> PendingAllToAll:
+    """Send ``x`` to the next rank of ``group``'s ring, ``(rank + 1) % size``, and receive the previous
+    rank's tensor of the same shape and dtype, in the background (no autograd: ring attention's own
+    forward and backward call it). ``.wait()`` gives the received tensor; the compute issued before it
+    overlaps with the transfer (the ring's double buffer: two such tensors are alive).
+
+    One ``batch_isend_irecv`` of an isend and an irecv with ``tag`` (two passes in flight between the
+    same ranks, e.g. k/v and the dk/dv that travel behind them, take different tags). Every rank of
+    ``group`` must call it, in the same order. Counted as an exchange of :func:`count_all_to_all`:
+    ``x.numel() * x.element_size()`` bytes per call; a group of one sends nothing (``wait()`` gives
+    ``x``)."""
+    rank, world = group_rank_size(group)
+    x = x.contiguous()
+    if world == 1:
+        return PendingAllToAll.done(x)
+    recv = torch.empty_like(x)
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, x, group=group, tag=tag, group_peer=(rank + 1) % world),
+            dist.P2POp(dist.irecv, recv, group=group, tag=tag, group_peer=(rank - 1) % world),
+        ]
+    )
+    _count_exchange(x.numel() * x.element_size())
+
+    def finish() -> torch.Tensor:
+        for work in works:
+            work.wait()
+        return recv
+
+    return PendingAllToAll(None, finish, x, recv)

@@ -379,54 +379,94 @@ class _DoutExchange:
         self._deltas.pop(i, None)
 
 
-def _unit_forward(
-    unit: Unit, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _FPDTCall
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (b, |qs|, h_r, d) fp32/fp64, lse (b, h_r, |qs|)) of one unit of a block."""
-    qb, kb, vb = q[:, unit.qs], k[:, unit.ks], v[:, unit.ks]
-    if unit.kind is UnitKind.MATH:
-        return block_forward(qb, kb, vb, scale=call.scale, mask=unit.mask, softcap=call.softcap)
-    kern, bias = _fused_args(unit, qb, kb, call)
-    return fused.block_forward(
-        kern, qb, kb, vb, scale=call.scale, causal=unit.kind is UnitKind.CAUSAL, bias=bias
-    )
-
-
-def _unit_backward(
+def unit_forward(
     unit: Unit,
-    i: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    plan: BlockPlan,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (b, |qs|, h, d) fp32/fp64, lse (b, h, |qs|)) of one unit, on its rows: q ``(b, |qs|, h, d)``, k/v
+    ``(b, |ks|, h_kv, d)``. FPDT's blocks and the ring's steps (``ring.py``) both run here."""
+    if unit.kind is UnitKind.MATH:
+        return block_forward(q, k, v, scale=scale, mask=unit.mask, softcap=softcap)
+    kern, bias = _fused_args(unit, q, k, plan)
+    return fused.block_forward(kern, q, k, v, scale=scale, causal=unit.kind is UnitKind.CAUSAL, bias=bias)
+
+
+def unit_backward(
+    unit: Unit,
+    dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    douts: _DoutExchange,
-    call: _FPDTCall,
+    delta: torch.Tensor | None,
+    *,
+    plan: BlockPlan,
+    scale: float,
+    softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq (b, |qs|, h_r, d), dk, dv (b, |ks|, h_kv_r, d)) of one unit of block (i, j), recomputed from
-    q segment i's FINAL ``out`` ``(b, S, h_r, d)`` and ``lse`` ``(b, h_r, S)`` (all kv blocks, sinks)."""
-    qs, ks = unit.qs, unit.ks
-    dout = douts.dout(i)[:, qs]
+    """(dq (b, |qs|, h, d), dk, dv (b, |ks|, h_kv, d)) of one unit, on its rows, recomputed from the rows'
+    FINAL ``out`` ``(b, |qs|, h, d)`` and ``lse`` ``(b, h, |qs|)`` (every kv block, sinks included);
+    ``delta = rowsum(dout * out)`` ``(b, h, |qs|)`` is read by math units only (``None`` for fused ones)."""
     if unit.kind is UnitKind.MATH:
-        return block_backward(
-            dout, q[:, qs], k[:, ks], v[:, ks], lse[:, :, qs], douts.delta(i, out)[:, :, qs],
-            scale=call.scale, mask=unit.mask, softcap=call.softcap,
-        )  # fmt: skip
-    kern, bias = _fused_args(unit, q[:, qs], k[:, ks], call)
+        assert delta is not None
+        return block_backward(dout, q, k, v, lse, delta, scale=scale, mask=unit.mask, softcap=softcap)
+    kern, bias = _fused_args(unit, q, k, plan)
     return fused.block_backward(
-        kern, dout, q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs],
-        scale=call.scale, causal=unit.kind is UnitKind.CAUSAL, bias=bias,
-    )  # fmt: skip
+        kern, dout, q, k, v, out, lse, scale=scale, causal=unit.kind is UnitKind.CAUSAL, bias=bias
+    )
 
 
 def _fused_args(
-    unit: Unit, q: torch.Tensor, k: torch.Tensor, call: _FPDTCall
+    unit: Unit, q: torch.Tensor, k: torch.Tensor, plan: BlockPlan
 ) -> tuple[Any, torch.Tensor | None]:
     """The fused kernel of a unit and its additive mask (BIAS units only)."""
-    kern = call.plan.kernel_of(unit)
+    kern = plan.kernel_of(unit)
     if unit.kind is not UnitKind.BIAS:
         return kern, None
     return kern, additive_mask(unit.mask, q.shape[1], k.shape[1], common_dtype(q, k), q.device)
+
+
+def check_block_backend(backend: str, softcap: float | None, caller: str) -> None:
+    """Refuse a backend the blocks cannot use (they need the log-sum-exp and a backward given the merged row),
+    and ``"fused"`` with soft-capping; ``caller`` names the function in the errors."""
+    if backend not in FPDT_BACKENDS:
+        resolve_backend(backend)  # unknown or unavailable names get the kernels' own error
+        raise ValueError(
+            f"{caller} computes its blocks with kernels that return the log-sum-exp and have a backward given "
+            f"the merged row (fused.py, or the math blocks); backend {backend!r} is not used there. Pass "
+            "backend='auto' or 'math' (or 'fused'), or use ulysses_attention for that kernel"
+        )
+    if backend == "fused" and softcap is not None:
+        raise ValueError(
+            "backend='fused': no fused block kernel applies logit soft-capping; use backend='auto' (math blocks)"
+        )
+
+
+def block_kernels(
+    backend: str, q: torch.Tensor, k: torch.Tensor, *, softcap: float | None, masked: bool, caller: str
+) -> tuple[FusedKernel | None, FusedKernel | None]:
+    """``(kernel of unmasked blocks, kernel of masked tiles)`` for ``backend`` (``None``: the math blocks);
+    ``masked``: documents or a window cut some blocks. FPDT and the ring choose alike."""
+    check_block_backend(backend, softcap, caller)
+    if backend == "math" or softcap is not None:
+        return None, None
+    kernel = fused_kernel(q.device, common_dtype(q, k))
+    if kernel is None and backend == "fused":
+        raise RuntimeError(
+            f"backend='fused': no fused attention kernel passed its probe on {q.device} {common_dtype(q, k)} "
+            "(see the warnings, attention/fused.py); use backend='auto' to fall back to the math blocks"
+        )
+    bias_kernel = (
+        fused_kernel(q.device, common_dtype(q, k), bias=True) if kernel is not None and masked else None
+    )
+    return kernel, bias_kernel
 
 
 class _SegmentAcc:
@@ -507,7 +547,17 @@ class _FPDTAttention(SequenceParallelFunction):
             for j in plan.cols(i):
                 k_j, v_j = next(kv_stream)
                 for unit in plan.units(i, j):
-                    acc.add(unit.qs, *_unit_forward(unit, q_i, k_j, v_j, call))  # fp32 online softmax
+                    qs, ks = unit.qs, unit.ks
+                    blk = unit_forward(
+                        unit,
+                        q_i[:, qs],
+                        k_j[:, ks],
+                        v_j[:, ks],
+                        plan=plan,
+                        scale=call.scale,
+                        softcap=call.softcap,
+                    )
+                    acc.add(qs, *blk)  # fp32 online softmax
                 del k_j, v_j  # drop before the next fetch: double buffer
             out_i, lse_i = acc.out, acc.lse
             assert out_i is not None and lse_i is not None  # the diagonal block is always live
@@ -575,7 +625,12 @@ class _FPDTAttention(SequenceParallelFunction):
                 if dsink is not None and sink is not None and i == j:  # once per q segment (diagonal)
                     dsink += sink_grad(lse_i.to(ct), douts.delta(i, out_i), sink)
                 for unit in plan.units(i, j):
-                    dq, dk, dv = _unit_backward(unit, i, q_i, k_j, v_j, out_i, lse_i, douts, call)
+                    qs, ks = unit.qs, unit.ks
+                    delta = douts.delta(i, out_i)[:, :, qs] if unit.kind is UnitKind.MATH else None
+                    dq, dk, dv = unit_backward(
+                        unit, douts.dout(i)[:, qs], q_i[:, qs], k_j[:, ks], v_j[:, ks], out_i[:, qs],
+                        lse_i[:, :, qs], delta, plan=plan, scale=call.scale, softcap=call.softcap,
+                    )  # fmt: skip
                     dq_acc[i] = _accumulate(dq_acc[i], unit.qs, S, dq)
                     dk_acc = _accumulate(dk_acc, unit.ks, S, dk)
                     dv_acc = _accumulate(dv_acc, unit.ks, S, dv)
@@ -696,17 +751,7 @@ def fpdt_attention(
     check_qkv(q, k, v)
     check_softcap(softcap)
     check_sinks(sinks, q)
-    if backend not in FPDT_BACKENDS:
-        resolve_backend(backend)  # unknown or unavailable names get the kernels' own error
-        raise ValueError(
-            f"fpdt_attention computes its blocks with kernels that return the log-sum-exp and have a backward "
-            f"given the merged row (fused.py, or the math blocks); backend {backend!r} is not used there. Pass "
-            "backend='auto' or 'math' (or 'fused'), or use ulysses_attention for that kernel"
-        )
-    if backend == "fused" and softcap is not None:
-        raise ValueError(
-            "backend='fused': no fused block kernel applies logit soft-capping; use backend='auto' (math blocks)"
-        )
+    check_block_backend(backend, softcap, "fpdt_attention")  # before any collective
     b, local, h, d = q.shape
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive number of tokens per rank, got {chunk_size!r}")
@@ -723,16 +768,10 @@ def fpdt_attention(
     _, world = group_rank_size(group)
     k, v = spread_kv_heads(k, v, h, world)  # outside the Function: autograd sums the replicas' grads
     docs = _global_docs(position_ids, documents, (b, local), chunk_size, group)
-    kernel = bias_kernel = None
-    if backend != "math" and softcap is None:
-        kernel = fused_kernel(q.device, common_dtype(q, k))
-        if kernel is None and backend == "fused":
-            raise RuntimeError(
-                f"backend='fused': no fused attention kernel passed its probe on {q.device} {common_dtype(q, k)} "
-                "(see the warnings, attention/fused.py); use backend='auto' to fall back to the math blocks"
-            )
-        if kernel is not None and (docs is not None or sliding_window is not None):
-            bias_kernel = fused_kernel(q.device, common_dtype(q, k), bias=True)
+    masked = docs is not None or sliding_window is not None
+    kernel, bias_kernel = block_kernels(
+        backend, q, k, softcap=softcap, masked=masked, caller="fpdt_attention"
+    )
     plan = BlockPlan.build(
         local // chunk_size,
         world * chunk_size,
