@@ -43,11 +43,20 @@ from lightning_longctx.attention.common import (
     check_softcap,
     compute_dtype,
     default_scale,
+    local_heads,
+    spread_kv_heads,
 )
 from lightning_longctx.attention.fpdt import BlockPlan, Unit, block_kernels, unit_backward, unit_forward
 from lightning_longctx.attention.fused import common_dtype
 from lightning_longctx.attention.kernels import merge_blocks, merge_sinks, sink_grad
-from lightning_longctx.comm import Group, SequenceParallelFunction, group_rank_size, ring_pass_async
+from lightning_longctx.comm import (
+    Group,
+    SequenceParallelFunction,
+    group_rank_size,
+    head_to_seq,
+    ring_pass_async,
+    seq_to_head_packed,
+)
 
 #: The layouts of a ring: "zigzag" (chunks j and 2r-1-j, causal balance) and "contiguous".
 RING_LAYOUTS = ("zigzag", "contiguous")
@@ -139,6 +148,22 @@ class RingLayout:
         ``seq_len / ring_size`` tokens along ``dim``."""
         dim = self._check_length(x, dim, "shard")
         return torch.cat([x.narrow(dim, s, n) for s, n in self.runs(rank)], dim=dim)
+
+    def sp_shard(
+        self, x: torch.Tensor, ring_rank: int, ulysses_rank: int, ulysses: int, dim: int = 1
+    ) -> torch.Tensor:
+        """Sp rank ``(j, u)``'s part of ``x`` under 2-D sequence parallelism (:func:`usp_attention`): piece u of
+        ``ulysses`` equal pieces of ring rank j's tokens, ``seq_len / (ring_size * ulysses)`` along ``dim``;
+        the Ulysses all-to-all concatenates the pieces in u order, so ring rank j then holds exactly
+        :meth:`shard`'s tokens (for zigzag: its two chunks, no reordering)."""
+        part = self.shard(x, ring_rank, dim)
+        dim = dim % x.dim()
+        if not 0 <= ulysses_rank < ulysses or part.shape[dim] % ulysses:
+            raise ValueError(
+                f"ulysses rank {ulysses_rank} of {ulysses}: a ring rank's {part.shape[dim]} tokens must split into "
+                f"{ulysses} equal pieces; make seq_len a multiple of ring_size x ulysses (x 2 for zigzag)"
+            )
+        return part.chunk(ulysses, dim=dim)[ulysses_rank]
 
     def unshard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Inverse of :meth:`shard`: ``x`` holds every rank's local part concatenated in rank order along
@@ -420,3 +445,44 @@ def ring_work(
         docs=documents,
     )
     return [sum(p.work for step in _schedule(layout, plan, j) for p in step) for j in range(layout.ring_size)]
+
+
+def usp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    ulysses_group: Group,
+    ring_group: Group,
+    layout: RingLayout,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    sliding_window: int | None = None,
+    documents: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    backend: str = "auto",
+    block_size: int = 1024,
+) -> torch.Tensor:
+    """2-D sequence parallelism (USP): Ulysses on ``ulysses_group`` (U ranks, the inner axis: fast links), ring
+    attention on ``ring_group`` (r ranks, the outer axis). ``q`` ``(b, N/(rU), h, d)`` and k/v
+    ``(b, N/(rU), h_kv, d)`` are sp rank ``(j, u)``'s tokens (``layout.sp_shard``); one all-to-all of q, k, v
+    over the Ulysses group gives ``(b, N/r, h/U, d)`` in ring rank j's layout order, :func:`ring_attention` runs
+    over the ring with those heads, and the inverse all-to-all returns ``(b, N/(rU), h, d)``. GQA k/v with
+    fewer heads than U are spread as Ulysses spreads them; ring peers hold the same heads (same u), so their
+    blocks have one shape even with an uneven head split. ``sinks`` ``(h,)``: each rank uses its heads' and
+    gives them the gradient of its rows: summed over the sp group it is exact. The other arguments are
+    :func:`ring_attention`'s."""
+    check_qkv(q, k, v)
+    check_sinks(sinks, q)
+    h = q.shape[2]
+    _, ulysses = group_rank_size(ulysses_group)
+    k, v = spread_kv_heads(k, v, h, ulysses)  # outside the Functions: autograd sums the copies' gradients
+    q_h, k_h, v_h = seq_to_head_packed(q, k, v, group=ulysses_group)  # (b, N/r, h_u, d): ring rank j's tokens
+    my_sinks = None if sinks is None else sinks[local_heads(h, ulysses_group)]
+    out = ring_attention(
+        q_h, k_h, v_h, group=ring_group, layout=layout, causal=causal, softmax_scale=softmax_scale,
+        sliding_window=sliding_window, documents=documents, softcap=softcap, sinks=my_sinks, backend=backend,
+        block_size=block_size,
+    )  # fmt: skip
+    return head_to_seq(out, h, ulysses_group)
