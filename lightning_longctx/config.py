@@ -90,6 +90,12 @@ class SequenceParallelConfig:
         async_save: write sharded checkpoints in the background (on a gloo group of their own): training
             goes on after the state is copied to host memory; the next save, a preemption and the end of the
             run wait for it.
+        ring_size: 2-D sequence parallelism (Ulysses x ring): the sp ranks form ``ring_size`` rings of
+            ``sequence_parallel_size / ring_size`` Ulysses ranks; the all-to-all runs inside each Ulysses group
+            (adjacent ranks) and ring attention passes key/value blocks between the groups, so only the
+            Ulysses degree must fit the heads. Tokens are laid out zigzag over the ring (equal causal work).
+            ``1`` (default): Ulysses alone. Ulysses mode only (``fpdt_chunk_size=None``), models whose every
+            token mixer is attention.
     """
 
     sequence_parallel_size: int | Literal["auto"] = "auto"
@@ -109,12 +115,21 @@ class SequenceParallelConfig:
     loss_normalization: Literal["tokens", "micro_batch"] = "tokens"
     checkpoint_format: Literal["sharded", "full"] = "sharded"
     async_save: bool = False
+    ring_size: int = 1
 
     def __post_init__(self) -> None:
         sp = self.sequence_parallel_size
         if sp != "auto" and (not isinstance(sp, int) or sp < 1):
             raise ValueError(
                 f"sequence_parallel_size={sp!r}: use 'auto' (all devices of a node) or a positive int"
+            )
+        ring = self.ring_size
+        if isinstance(ring, bool) or not isinstance(ring, int) or ring < 1:
+            raise ValueError(f"ring_size={ring!r}: use a positive int (1: Ulysses alone)")
+        if ring > 1 and self.fpdt_chunk_size is not None:
+            raise ValueError(
+                f"ring_size={ring} with fpdt_chunk_size={self.fpdt_chunk_size}: FPDT's chunking does not compose "
+                "with the ring yet; use fpdt_chunk_size=None (Ulysses x ring) or ring_size=1"
             )
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -175,7 +190,9 @@ class SequenceParallelConfig:
         sp, tp = self.sequence_parallel_size, self.tensor_parallel_size
         if sp == "auto":
             sp = max(1, (devices_per_node or world_size) // tp)
-        layout = ParallelLayout(world_size=world_size, sp=sp, tp=tp, devices_per_node=devices_per_node)
+        layout = ParallelLayout(
+            world_size=world_size, sp=sp, tp=tp, ring=self.ring_size, devices_per_node=devices_per_node
+        )
         offload = (
             device_type == "cuda" and self.fpdt_chunk_size is not None
             if self.offload == "auto"

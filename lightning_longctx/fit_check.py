@@ -412,8 +412,8 @@ def check_first_step(
         raise Unplannable("the batch has no 2-D input_ids")
     step = _Step(int(ids.shape[1]), int(ids.shape[0]), precision, capacity, device_type)
     inputs = _read_model(module, models, optimizers)
-    kwargs = _plan_kwargs(inputs, parallel, step)
     try:
+        kwargs = _plan_kwargs(inputs, parallel, step)
         plan = plan_memory(inputs.config, **kwargs, device_memory=capacity)
     except ValueError as err:  # an architecture or setting the planner refuses
         raise Unplannable(str(err)) from None

@@ -112,7 +112,8 @@ def parallelize(
     # share its config, hence its context, and are skipped
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and context_of(module) is None:
-            enable_sequence_parallel(module, group=mesh.sp_group, config=config)
+            rings = (mesh.ring_group, mesh.ulysses_group) if mesh.layout.ring > 1 else None
+            enable_sequence_parallel(module, group=mesh.sp_group, config=config, ring_groups=rings)
             done.models.append(module)
             done.contexts.append(context_of(module))
     # 2. tensor-parallel plan (config validation guarantees FSDP2 with it: DDP cannot wrap DTensors)

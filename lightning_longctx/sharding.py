@@ -6,6 +6,10 @@ Two layouts of a global sequence of N tokens over P ranks:
 * FPDT (``chunk_size=c``): the sequence is cut into chunks of c tokens and rank r holds chunks
   ``r, r+P, r+2P, ...`` in that order, so that after the all-to-all of its i-th local chunk every
   rank holds the contiguous global segment i (``P*c`` tokens).
+* 2-D, Ulysses x ring (``ring=r > 1``, ``U = P / r``): the sequence is cut into ``2r`` chunks, ring rank j
+  holds chunks j and ``2r-1-j`` (zigzag: equal causal work) and sp rank ``s = j*U + u`` holds piece u of U
+  equal pieces of them (``attention/ring.py``'s ``RingLayout.sp_shard``), so the Ulysses all-to-all gives
+  ring rank j its two chunks in order.
 """
 
 from __future__ import annotations
@@ -59,11 +63,45 @@ def local_chunk(chunk_size: int, local_len: int) -> int:
     return min(chunk_size, local_len)
 
 
+def _ring_index(n: int, world: int, ring: int, device: torch.device | None = None) -> torch.Tensor:
+    """``(world, n / world)``: the global index of every sp rank's tokens in the 2-D layout (module doc)."""
+    if n % (2 * world):
+        raise ValueError(
+            f"sequence length {n} is not divisible by 2 x sequence-parallel size = {2 * world} (ring_size={ring}: "
+            f"2 x {ring} zigzag chunks, each ring rank's split over {world // ring} Ulysses ranks); pad the "
+            "sequence (shard_batch does)"
+        )
+    c = n // (2 * ring)
+    j = torch.arange(ring, device=device)[:, None]
+    t = torch.arange(c, device=device)
+    per_ring = torch.cat([j * c + t, (2 * ring - 1 - j) * c + t], dim=1)  # (r, 2c): chunks j and 2r-1-j
+    return per_ring.reshape(world, n // world)  # piece u of ring rank j is row j * U + u
+
+
+def _check_ring(ring: int, world: int, chunk_size: int | None) -> None:
+    if ring < 1 or world % ring:
+        raise ValueError(f"ring={ring} must be a positive divisor of the sequence-parallel size {world}")
+    if ring > 1 and chunk_size is not None:
+        raise ValueError(
+            f"ring={ring} with chunk_size={chunk_size}: FPDT's chunked layout does not compose with the ring "
+            "yet; use chunk_size=None (Ulysses x ring)"
+        )
+
+
 def global_index(
-    local_len: int, *, rank: int, world: int, chunk_size: int | None, device: torch.device | None = None
+    local_len: int,
+    *,
+    rank: int,
+    world: int,
+    chunk_size: int | None,
+    ring: int = 1,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """``(local_len,)`` global token index of each of rank ``rank``'s tokens in the layout (the inverse of
     :func:`shard_sequence` on ``arange(N)``, computed without a collective)."""
+    _check_ring(ring, world, chunk_size)
+    if ring > 1:
+        return _ring_index(local_len * world, world, ring, device)[rank]
     t = torch.arange(local_len, device=device)
     if chunk_size is None:
         return rank * local_len + t
@@ -83,25 +121,33 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
 
 
 def shard_sequence(
-    x: torch.Tensor, *, group: Group = None, dim: int = 1, chunk_size: int | None = None
+    x: torch.Tensor, *, group: Group = None, dim: int = 1, chunk_size: int | None = None, ring: int = 1
 ) -> torch.Tensor:
     """This rank's part of ``x`` along ``dim`` (length N) in the chosen layout; N must divide
-    (``N % P == 0``, or ``N % (P*chunk_size) == 0`` for the FPDT layout)."""
+    (``N % P == 0``, ``N % (P*chunk_size) == 0`` for the FPDT layout, ``N % 2P == 0`` with a ring)."""
     rank, world = group_rank_size(group)
     dim = dim % x.dim()
     n = x.shape[dim]
+    _check_ring(ring, world, chunk_size)
+    if ring > 1:
+        return x.index_select(dim, _ring_index(n, world, ring, x.device)[rank])
     seg = _segment(n, world, chunk_size)
     parts = x.unflatten(dim, (n // (world * seg), world, seg))  # (..., u, P, seg, ...)
     return parts.select(dim + 1, rank).flatten(dim, dim + 1).contiguous()
 
 
 def gather_sequence(
-    x: torch.Tensor, *, group: Group = None, dim: int = 1, chunk_size: int | None = None
+    x: torch.Tensor, *, group: Group = None, dim: int = 1, chunk_size: int | None = None, ring: int = 1
 ) -> torch.Tensor:
     """Inverse of :func:`shard_sequence`: the full sequence on every rank (no autograd)."""
-    _, _world = group_rank_size(group)
+    _, world = group_rank_size(group)
     dim = dim % x.dim()
     local = x.shape[dim]
+    _check_ring(ring, world, chunk_size)
+    if ring > 1:  # the ranks' shards in rank order, then each token to its global index
+        stacked = all_gather_no_grad(x, group, dim=dim)  # (..., P * local, ...)
+        index = _ring_index(local * world, world, ring, x.device).flatten()
+        return torch.empty_like(stacked).index_copy_(dim, index, stacked)
     seg = local if chunk_size is None else chunk_size
     if local % seg:
         raise ValueError(f"local length {local} is not a multiple of chunk_size {seg}")
@@ -143,10 +189,11 @@ def _check_padding_mask(mask: torch.Tensor, shape: torch.Size) -> None:
         )
 
 
-def _pad_length(n: int, group: Group, chunk_size: int | None) -> int:
-    """Tokens ``shard_batch`` appends to a sequence of ``n``: up to a multiple of ``P`` (``P * chunk``)."""
+def _pad_length(n: int, group: Group, chunk_size: int | None, ring: int = 1) -> int:
+    """Tokens ``shard_batch`` appends to a sequence of ``n``: up to a multiple of ``P`` (``P * chunk``; ``2P``
+    with a ring: its 2r zigzag chunks, each ring rank's split over U)."""
     _, world = group_rank_size(group)
-    return -n % (world * (chunk_size or 1))
+    return -n % (world * (chunk_size or 1) * (2 if ring > 1 else 1))
 
 
 def _padded_positions(pos: torch.Tensor | None, ids: torch.Tensor, pad: int) -> torch.Tensor:
@@ -160,13 +207,15 @@ def _padded_positions(pos: torch.Tensor | None, ids: torch.Tensor, pad: int) -> 
 
 
 def global_positions(
-    batch: Mapping[str, Any], *, group: Group = None, chunk_size: int | None = None
+    batch: Mapping[str, Any], *, group: Group = None, chunk_size: int | None = None, ring: int = 1
 ) -> torch.Tensor:
     """``(b, N_pad)`` the GLOBAL position ids of a whole (unsharded) batch in sequence order, padded as
     :func:`shard_batch` pads it: what every rank's shard of ``position_ids`` comes from. Its
     :func:`document_ids` are the batch's packed documents, known here without a collective."""
     ids = batch["input_ids"]
-    return _padded_positions(batch.get("position_ids"), ids, _pad_length(ids.shape[1], group, chunk_size))
+    return _padded_positions(
+        batch.get("position_ids"), ids, _pad_length(ids.shape[1], group, chunk_size, ring)
+    )
 
 
 def shard_batch(
@@ -176,6 +225,7 @@ def shard_batch(
     chunk_size: int | None = None,
     ignore_index: int = IGNORE_INDEX,
     pad_token_id: int = 0,
+    ring: int = 1,
 ) -> dict[str, Any]:
     """This rank's slice of a batch dict, with labels shifted BEFORE slicing and global positions.
 
@@ -188,8 +238,11 @@ def shard_batch(
     token ``ignore_index`` — so no target is lost at a shard edge. ``labels`` then holds the same
     pre-shifted shard (HF computes a loss only when ``labels`` is given and uses ``shift_labels``).
 
+    ``ring`` > 1: the 2-D Ulysses x ring layout (module doc; ``group`` is the whole sp group, ranks in
+    ``s = j*U + u`` order, as the world mesh's flattened sp axis).
+
     Lengths that don't divide are padded at the END to a multiple of ``P`` (``P*chunk_size`` in the FPDT
-    layout): ``input_ids`` with ``pad_token_id``, labels with ``ignore_index``, positions continue,
+    layout, ``2P`` with a ring): ``input_ids`` with ``pad_token_id``, labels with ``ignore_index``, positions continue,
     ``attention_mask`` with 0. Causal attention keeps pads from changing any real token's output.
     """
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
@@ -201,7 +254,7 @@ def shard_batch(
     ids = batch["input_ids"]
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise ValueError(f"input_ids must be a (batch, seq) tensor, got {getattr(ids, 'shape', type(ids))}")
-    pad = _pad_length(ids.shape[1], group, chunk_size)
+    pad = _pad_length(ids.shape[1], group, chunk_size, ring)
 
     seqs: dict[str, torch.Tensor] = {}
     for key in SEQUENCE_KEYS:
@@ -231,5 +284,5 @@ def shard_batch(
     for key, val in seqs.items():
         if key != "position_ids":
             val = _pad(val, pad, pad_value.get(key, 0))
-        out[key] = shard_sequence(val, group=group, dim=1, chunk_size=chunk_size)
+        out[key] = shard_sequence(val, group=group, dim=1, chunk_size=chunk_size, ring=ring)
     return out

@@ -363,6 +363,14 @@ class UlyssesFPDTStrategy(DDPStrategy):
         self._parallelized = parallelize(
             self.model, self.world_mesh, self.config, param_dtype=MIXED_PRECISION_DTYPES.get(self._precision)
         )
+        if self.layout.ring > 1 and not self._contexts:  # a plain module's own attention reads no ring layout
+            raise ValueError(
+                f"ring_size={self.layout.ring} needs a transformers model in the LightningModule (the strategy "
+                "swaps its attention for Ulysses x ring and shards batches zigzag over the ring); a plain module "
+                "calling ulysses_attention / fpdt_attention itself would attend in the wrong order. Use "
+                "ring_size=1, or call lightning_longctx.attention.ring.usp_attention in your module with "
+                "batches from shard_batch(..., ring=ring_size)"
+            )
         if self._fitting:
             self.configure_ddp()
             self.setup_optimizers(trainer)
@@ -577,9 +585,10 @@ class UlyssesFPDTStrategy(DDPStrategy):
             chunk_size=chunk,
             ignore_index=self.config.settings.ignore_index,
             pad_token_id=self.config.settings.pad_token_id,
+            ring=self.layout.ring,
         )
         if self._contexts and isinstance(out.get("position_ids"), Tensor):  # the documents, no collective
-            full = global_positions(batch, group=self.sp_group, chunk_size=chunk)
+            full = global_positions(batch, group=self.sp_group, chunk_size=chunk, ring=self.layout.ring)
             for ctx in self._contexts:
                 ctx.positions = BatchPositions(local=out["position_ids"], full=full, length=ids.shape[1])
             self._check_positions(batch, ids.shape[1])

@@ -78,6 +78,8 @@ class StratCase:
     #: the same validation run scores a passkey grid with ``NeedleRetrieval`` (models whose forward takes
     #: ``logits_to_keep``; the callback refuses the others, tests/test_needle.py)
     needle: bool = False
+    #: Ulysses x ring (``ring_size``; Ulysses mode, attention-only models; hybrids refuse it)
+    ring_size: int = 1
 
     @property
     def mode(self) -> str:
@@ -117,11 +119,14 @@ def strategy_cases(draw: st.DrawFn, archs: list[str] | None = None) -> StratCase
         if world % (2 * sp) == 0:
             case = dataclasses.replace(case, tensor_parallel_size=draw(st.sampled_from([1, 2])))
     case = dataclasses.replace(case, checkpoint=draw(st.sampled_from([None, "sharded", "full"])))
-    return dataclasses.replace(
+    case = dataclasses.replace(
         case,
         positional_loss=draw(st.sampled_from([None, "token", "document"])),
         needle=draw(st.booleans()),
     )
+    if case.fpdt_chunk_size is None and case.sp > 1:  # drawn last: the earlier draws stay as they were
+        case = dataclasses.replace(case, ring_size=draw(st.sampled_from(sorted({1, 2, case.sp}))))
+    return case
 
 
 class FuzzDataset(Dataset):
@@ -292,6 +297,7 @@ def run_strategy(case: StratCase) -> tuple[str, object]:
             tensor_parallel_size=case.tensor_parallel_size,
             loss_normalization=case.loss_normalization,
             checkpoint_format=case.checkpoint or "sharded",
+            ring_size=case.ring_size,
         )
         trainer = L.Trainer(
             strategy=strategy, accelerator="cpu", devices=case.world, max_steps=1,

@@ -390,3 +390,75 @@ def test_usp_matches_full_attention(dist_pool, world, ring):
         if ref_dsinks is not None:
             err = (sum(r[key][1] for r in per_rank) - ref_dsinks).abs().max().item()
             assert err < TOL, (key, err)
+
+
+# ---- the strategy: ring_size (Ulysses x ring) against one process --------------------------------------
+
+TRAINER_CASES = {
+    # name: (arch, world, sp, strategy kwargs, model kwargs)
+    "llama_sp2_ring2": ("llama", 2, 2, {"ring_size": 2}, {}),  # U = 1: a pure ring
+    "llama_sp4_ring2": ("llama", 4, 4, {"ring_size": 2}, {}),  # U = 2, r = 2
+    "llama_gqa_kv1_sp4_ring4": ("llama", 4, 4, {"ring_size": 4}, {"kv_heads": 1}),
+    "qwen2_fsdp_dp2_sp2_ring2": ("qwen2", 4, 2, {"ring_size": 2, "data_parallel": "fsdp"}, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(TRAINER_CASES))
+def test_strategy_ring_matches_one_process(dist_pool, name):
+    """Trainer runs with ``ring_size``: every parameter after 2 steps and the losses against one process (24
+    tokens: padded to a multiple of 2P, the zigzag chunks split over the Ulysses ranks)."""
+    from helpers.lightning import compare_to_reference, fit_hf
+
+    arch, world, sp, skw, mkw = TRAINER_CASES[name]
+    results = dist_pool(world).run(fit_hf, arch, sp, 2, skw, mkw)
+    compare_to_reference(results, arch, sp, world, 2, mkw)
+
+
+def _ring_refusal(arch: str) -> str:
+    from helpers.lightning import fit_hf
+
+    try:
+        fit_hf(arch, 2, 1, {"ring_size": 2}, {})
+    except ValueError as err:
+        return str(err)
+    return "NO ERROR"
+
+
+def test_strategy_ring_refusals(dist_pool):
+    """A hybrid model (its halos and scans follow the contiguous layout) is refused on every rank before the
+    first step; FPDT chunking, a ring that does not divide sp, and the planner refuse ring_size by name."""
+    from lightning_longctx.config import SequenceParallelConfig
+    from lightning_longctx.planner.plan import parallel_kwargs
+
+    for msg in dist_pool(2).run(_ring_refusal, "qwen3_5"):
+        assert "ring_size=2: Qwen3_5ForCausalLM has token mixers other than attention" in msg, msg
+    with pytest.raises(
+        ValueError, match=r"ring_size=2 with fpdt_chunk_size=4: FPDT's chunking does not compose"
+    ):
+        SequenceParallelConfig(ring_size=2, fpdt_chunk_size=4)
+    with pytest.raises(ValueError, match=r"ring_size=3 must divide sequence_parallel_size=4"):
+        SequenceParallelConfig(sequence_parallel_size=4, ring_size=3).resolve(4, 0, "cpu")
+    with pytest.raises(ValueError, match=r"ring_size=0: use a positive int"):
+        SequenceParallelConfig(ring_size=0)
+    resolved = SequenceParallelConfig(sequence_parallel_size=4, ring_size=2).resolve(8, 0, "cpu")
+    with pytest.raises(ValueError, match=r"the memory planner does not model Ulysses x ring yet"):
+        parallel_kwargs(resolved)
+
+
+def test_shard_batch_ring_layout_is_the_ring_layouts():
+    """``shard_batch(..., ring=r)`` gives sp rank ``j*U + u`` ``RingLayout.sp_shard``'s tokens, pads to 2P, and
+    ``gather_sequence`` / ``global_index`` invert it (one process standing in for each rank's view)."""
+    from lightning_longctx.sharding import _ring_index, global_index
+
+    for world, ring in ((2, 2), (4, 2), (4, 4), (8, 2)):
+        n, u_size = 16 * world, world // ring
+        layout = RingLayout(ring_size=ring, seq_len=n, kind="zigzag")
+        x = torch.arange(n)[None]
+        rows = _ring_index(n, world, ring)
+        for s in range(world):
+            j, u = divmod(s, u_size)
+            assert torch.equal(rows[s], layout.sp_shard(x, j, u, u_size)[0])
+            assert torch.equal(
+                global_index(n // world, rank=s, world=world, chunk_size=None, ring=ring), rows[s]
+            )
+        assert sorted(rows.flatten().tolist()) == list(range(n))

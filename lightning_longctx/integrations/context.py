@@ -108,6 +108,9 @@ class SequenceParallelContext:
     # callback for its runs (``callbacks/positional_loss.py``), ``None`` otherwise
     loss_observer: TokenLossObserver | None = None
     restore: dict[str, Any] = field(default_factory=dict)  # the model's settings before patching
+    # Ulysses x ring (``ring_size > 1``): the two parts of ``group`` (``mesh.WorldMesh``); None otherwise
+    ring_group: Group = None
+    ulysses_group: Group = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SequenceParallelContext:
         return self
@@ -123,6 +126,15 @@ class SequenceParallelContext:
             "a sequence-parallel model holds its process group and cannot be pickled; call "
             "lightning_longctx.disable_sequence_parallel(model) first (state_dict() always works)"
         )
+
+    @property
+    def ring(self) -> int:
+        """The ring's degree (``ring_size``; 1: Ulysses or FPDT alone): the layout ``shard_batch`` used."""
+        return self.config.layout.ring
+
+    @property
+    def sp_size(self) -> int:
+        return group_rank_size(self.group)[1]
 
     @property
     def chunk_size(self) -> int | None:
@@ -149,7 +161,10 @@ class SequenceParallelContext:
             return
         local = position_ids.shape[-1]
         full = gather_sequence(
-            position_ids.reshape(-1, local), group=self.group, chunk_size=self.local_chunk(local)
+            position_ids.reshape(-1, local),
+            group=self.group,
+            chunk_size=self.local_chunk(local),
+            ring=self.ring,
         )
         self.positions = BatchPositions(local=position_ids, full=full)
 
@@ -166,4 +181,6 @@ class SequenceParallelContext:
     def global_index(self, local_len: int, device: torch.device) -> torch.Tensor:
         """``(local_len,)`` global token index of each local token in this rank's layout (``shard_batch``'s)."""
         rank, world = group_rank_size(self.group)
-        return global_index(local_len, rank=rank, world=world, chunk_size=self.chunk_size, device=device)
+        return global_index(
+            local_len, rank=rank, world=world, chunk_size=self.chunk_size, ring=self.ring, device=device
+        )

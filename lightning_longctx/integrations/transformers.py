@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from lightning_longctx.attention.fpdt import fpdt_attention
+from lightning_longctx.attention.ring import RingLayout, usp_attention
 from lightning_longctx.attention.ulysses import ulysses_attention
 from lightning_longctx.comm import Group, group_rank_size
 from lightning_longctx.config import MODES, Mode, ResolvedConfig, SequenceParallelConfig
@@ -54,7 +55,7 @@ from lightning_longctx.integrations.masks import (
 from lightning_longctx.integrations.moe import moe_aux_loss_plan
 from lightning_longctx.integrations.rope import patch_rotary, rope_limit, unpatch_rotary
 from lightning_longctx.loss import sequence_parallel_cross_entropy
-from lightning_longctx.sharding import IGNORE_INDEX
+from lightning_longctx.sharding import IGNORE_INDEX, document_ids, gather_sequence
 from lightning_longctx.tensor_parallel import local_head
 
 _UNSET = object()
@@ -137,7 +138,15 @@ def _hf_attention(
     # gpt-oss passes its sinks as s_aux (num_heads,): whole, each rank takes its own heads' slice
     features = dict(sliding_window=sliding_window, softcap=softcap or None, sinks=kwargs.get("s_aux"))
     chunk = ctx.local_chunk(q.shape[1])  # short sequences: one chunk of their local length
-    if chunk is None:
+    if ctx.ring > 1:  # Ulysses x ring: zigzag over the ring (sharding.py), global document ids
+        if not known and position_ids is not None:
+            documents = document_ids(gather_sequence(position_ids, group=ctx.group, ring=ctx.ring))
+        layout = RingLayout(ring_size=ctx.ring, seq_len=q.shape[1] * ctx.sp_size, kind="zigzag")
+        out = usp_attention(
+            q, k, v, ulysses_group=ctx.ulysses_group, ring_group=ctx.ring_group, layout=layout, causal=causal,
+            softmax_scale=scaling, documents=documents, backend=cfg.settings.attention_backend, **features,
+        )  # fmt: skip
+    elif chunk is None:
         out = ulysses_attention(q, k, v, **features, **common)
     else:
         out = fpdt_attention(
@@ -360,6 +369,7 @@ def enable_sequence_parallel(
     mlp_chunk_size: int | None = None,
     loss_chunk_size: int | None = None,
     config: ResolvedConfig | None = None,
+    ring_groups: tuple[Group, Group] | None = None,
 ) -> nn.Module:
     """Make a Hugging Face model sequence-parallel over ``group``, in place; returns the model.
 
@@ -368,7 +378,9 @@ def enable_sequence_parallel(
     ``chunk_size``; a tiled module keeps only its input for backward and recomputes the rest) and a chunked lm_head + loss (``loss_chunk_size``, default: 128 MiB fp32 logits blocks,
     ``chunked_loss.default_loss_chunk_size`` of the vocabulary). ``offload``: FPDT's chunks in host memory.
     Or ``config``: a :class:`~lightning_longctx.config.ResolvedConfig` (what the strategy passes) in place
-    of those keywords, which are its thin wrapper.
+    of those keywords, which are its thin wrapper. With ``config.layout.ring > 1`` (``ring_size``),
+    ``ring_groups`` = ``(ring_group, ulysses_group)`` of the world mesh (``mesh.build_world_mesh``) and
+    ``group`` its whole sp group: Ulysses x ring attention, batches sharded with ``shard_batch(..., ring=r)``.
     Batches must come from ``shard_batch`` (the strategy does this) with the matching layout.
     Every layer's mask (causal, sliding window, chunked; see :class:`MaskPattern`) and, in FPDT mode,
     the model's logit scale and soft-cap are honoured; anything else is refused here or at the first call.
@@ -392,6 +404,17 @@ def enable_sequence_parallel(
             "it again"
         )
     mixers = find_mixers(model)  # hybrid models: convolutions, linear attention, state-space scans
+    ring = config.layout.ring
+    if ring > 1 and mixers:
+        raise ValueError(
+            f"ring_size={ring}: {name} has token mixers other than attention ({type(mixers[0]).__name__}), whose "
+            "halos and state scans follow the contiguous layout, not the ring's zigzag; use ring_size=1"
+        )
+    if ring > 1 and (ring_groups is None or len(ring_groups) != 2):
+        raise ValueError(
+            f"ring_size={ring} needs ring_groups=(ring_group, ulysses_group), the world mesh's "
+            "(mesh.build_world_mesh(ParallelLayout(..., ring=r)).ring_group / .ulysses_group)"
+        )
     attention_layers = check_layer_types(model, name, len(mixers))
     # transformers marks hybrids as not supporting attention backends for their mixers' sake; their
     # attention layers route through the interface (the strategy's first step counts them).
@@ -420,6 +443,8 @@ def enable_sequence_parallel(
         lm_head=lm_head,
         moe_plan=moe_plan,
         rope_limit=rope_limit(model.config),
+        ring_group=ring_groups[0] if ring > 1 else None,
+        ulysses_group=ring_groups[1] if ring > 1 else None,
     )
     saved = ctx.restore
     saved["kernels_mode"] = _turn_off_hub_kernels(model)  # before any forward of ours is installed

@@ -185,6 +185,12 @@ def parallel_kwargs(parallel: ResolvedConfig) -> dict[str, Any]:
     (``SequenceParallelConfig(...).resolve(...)``): the one mapping from the strategy's settings to the
     plan, so ``plan_memory(model_config, seq_len=N, **parallel_kwargs(cfg))`` plans what the strategy runs."""
     given = parallel.settings
+    if parallel.layout.ring > 1:
+        raise ValueError(
+            f"ring_size={parallel.layout.ring}: the memory planner does not model Ulysses x ring yet (the ring's "
+            "two k/v blocks per rank and its fp32 dk/dv); plan the same sequence_parallel_size with ring_size=1 "
+            "for the weights, optimizer state and per-token activations, which do not change"
+        )
     return {
         "sequence_parallel_size": parallel.sp,
         "data_parallel_size": parallel.dp,
