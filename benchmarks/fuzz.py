@@ -72,21 +72,25 @@ def search(
     return rows
 
 
-COLUMNS = [("mode", "mode", ""), ("world", "world", ""), ("sp", "sp", ""), ("tp", "tp", ""), ("trials", "trials", ""),
-           ("exact", "exact", ""), ("refused", "refused", ""), ("failing", "failing", "")]  # fmt: skip
+COLUMNS = [("mode", "mode", ""), ("world", "world", ""), ("sp", "sp", ""), ("ring", "ring", ""), ("tp", "tp", ""),
+           ("trials", "trials", ""), ("exact", "exact", ""), ("refused", "refused", ""),
+           ("failing", "failing", "")]  # fmt: skip
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Verdict counts per (mode, world size, sequence-parallel size: the world for the attention core,
-    tensor-parallel size)."""
+    """Verdict counts per (mode, world size, sequence-parallel size: the world for the attention core, its
+    ring degree, tensor-parallel size)."""
     counts: dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
     for r in rows:
         c = r["case"]
-        key = (c.mode, c.world, getattr(c, "sp", c.world), getattr(c, "tensor_parallel_size", 1))
+        key = (
+            c.mode, c.world, getattr(c, "sp", c.world), getattr(c, "ring_size", 1), getattr(c, "tensor_parallel_size", 1)
+        )  # fmt: skip
         counts[key][r["verdict"].kind] += 1
     return [
-        {"mode": mode, "world": world, "sp": sp, "tp": tp, "trials": sum(cnt.values()), **{k: cnt[k] for k in ("exact", "refused", "failing")}}
-        for (mode, world, sp, tp), cnt in sorted(counts.items())
+        {"mode": mode, "world": world, "sp": sp, "ring": ring, "tp": tp, "trials": sum(cnt.values()),
+         **{k: cnt[k] for k in ("exact", "refused", "failing")}}
+        for (mode, world, sp, ring, tp), cnt in sorted(counts.items())
     ]  # fmt: skip
 
 
