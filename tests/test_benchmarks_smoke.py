@@ -189,6 +189,20 @@ def test_bench_hybrid_bytes_are_the_formula(tmp_path: Path) -> None:
     assert data["timing"]["per_rank_s"] > 0
 
 
+def test_bench_ring_bytes_are_the_formula(tmp_path: Path) -> None:
+    """Ulysses, USP (2 x 2) and a ring of 4 at P = 4: every rank's bytes equal their formula, the outputs agree."""
+    out = tmp_path / "ring.json"
+    _run_script(
+        ["benchmarks/bench_ring.py", "--world-sizes", "4", "--seq-len", "64", "--head-dim", "8", "--repeats", "1",
+         "--out", str(out)],
+        timeout=240,
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["ring"], r["ulysses"]) for r in rows] == [(1, 4), (2, 2), (4, 1)]
+    assert all(r["bytes_ratio"] == 1.0 and r["diff_out"] < 1e-5 for r in rows), rows
+    assert rows[0]["ring_mib"] == 0 and rows[2]["a2a_mib"] == 0
+
+
 def test_bench_checkpoint_smoke(tmp_path: Path) -> None:
     """Full vs sharded vs async checkpoints at world 2: every format saves, loads back what it saved (the script
     checks), and the sharded ones are torch.distributed.checkpoint directories with one shard file per rank."""
