@@ -4,6 +4,7 @@ the bytes per rank and the refusals."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -378,9 +379,17 @@ def _usp_errors(ring: int) -> dict:
     return found
 
 
-@pytest.mark.parametrize(("world", "ring"), [(2, 2), (4, 2), (4, 4)])
+#: 8 processes on 2 cores: opt-in, as tests/test_tensor_parallel.py's world-8 run (``LONGCTX_WORLD8=1``)
+WORLD8 = pytest.mark.skipif(
+    not os.environ.get("LONGCTX_WORLD8"), reason="world 8 on 2 cores: LONGCTX_WORLD8=1"
+)
+
+
+@pytest.mark.parametrize(
+    ("world", "ring"), [(2, 2), (4, 2), (4, 4), pytest.param(8, 2, marks=[WORLD8, pytest.mark.slow])]
+)
 def test_usp_matches_full_attention(dist_pool, world, ring):
-    """(U, r) = (1, 2), (2, 2), (1, 4): every rank's out, dq, dk, dv within 1e-10 of float64 full attention,
+    """(U, r) = (1, 2), (2, 2), (1, 4), and (4, 2) at world 8 (opt-in): every rank's out, dq, dk, dv within 1e-10 of float64 full attention,
     dsinks summed over the sp group too; both layouts; GQA with fewer kv heads than U, uneven heads, documents,
     windows, sinks."""
     per_rank = dist_pool(world).run(_usp_errors, ring)

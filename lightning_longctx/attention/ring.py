@@ -480,6 +480,8 @@ def usp_attention(
     k, v = spread_kv_heads(k, v, h, ulysses)  # outside the Functions: autograd sums the copies' gradients
     q_h, k_h, v_h = seq_to_head_packed(q, k, v, group=ulysses_group)  # (b, N/r, h_u, d): ring rank j's tokens
     my_sinks = None if sinks is None else sinks[local_heads(h, ulysses_group)]
+    if q_h.shape[2] == 0:  # fewer heads than Ulysses ranks: this rank, and its whole ring (same u), has none
+        return head_to_seq(q_h.clone(), h, ulysses_group)
     out = ring_attention(
         q_h, k_h, v_h, group=ring_group, layout=layout, causal=causal, softmax_scale=softmax_scale,
         sliding_window=sliding_window, documents=documents, softcap=softcap, sinks=my_sinks, backend=backend,
