@@ -911,9 +911,9 @@ def _merge(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 #: FPDT chunk starts (8, 16, 24 with chunks of 4), documents across shards and chunks (8..16, 17..31).
 PACKED_DOCS = ((5, 1, 2, 9, 7, 8), (16, 1, 15))
 #: The hybrids whose packed rows are exact; the others refuse them by name (``hybrid/base.py``).
-PACKED_EXACT = ("lfm2", "qwen3_next", "qwen3_5_text", "jamba", "bamba", "falcon_h1", "granitemoehybrid",
-                "nemotron_h", "olmo_hybrid", "recurrent_gemma", "kimi_linear", "mamba", "mamba2",
-                "falcon_mamba")  # fmt: skip
+PACKED_EXACT = ("lfm2", "qwen3_next", "qwen3_5_text", "minimax", "jamba", "bamba", "falcon_h1",
+                "granitemoehybrid", "nemotron_h", "olmo_hybrid", "recurrent_gemma", "kimi_linear", "mamba",
+                "mamba2", "falcon_mamba", "xlstm", "rwkv")  # fmt: skip
 #: float64 models; the kernels' own float32 insides (gated DeltaNet, Mamba-2) set the error floor.
 PACKED_TOLERANCE = 1e-5
 
@@ -1058,19 +1058,20 @@ the fla / causal-conv1d / mamba-ssm kernel on GPU and the torch fallback on CPU 
 | Mamba-2 SSD (Mamba-2, Bamba, Falcon-H1, Granite-4 hybrid, Nemotron-H) | the state (heads x d_head x d_state) | the same scan with a scalar decay per head `M = exp(A ΣΔ)` in closed form; `y += exp(A cumΔ_t) S_in C_t` | (P-1) x heads x (1 + d_head x d_state) fp32 forward | exact: pieces from a zero state, the correction on the first piece only; `M = 0` where a document starts |
 | Mamba-1 selective scan (Mamba, Falcon-Mamba, Jamba) | the diagonal state (d_inner x d_state) | the scan takes no entry state: `B_r` and the correction `C_t (exp(A cumΔ_t) ⊙ S_in)` (before the `silu(z)` gate) in closed form | (P-1) x 2 d_inner x d_state fp32 forward | exact: as Mamba-2 (`B_r` from the last piece) |
 | RG-LRU and its conv (RecurrentGemma) | the diagonal state (lru_width) and k-1 conv inputs | halo for the conv; `h = h⁰ + (∏ a) ⊙ S_in`, the model's own reset at position 0 | (P-1) x 2 lru_width | exact (the conv by pieces; the RG-LRU resets itself) |
-| lightning attention (MiniMax) | the state (heads x d x d), decay `λ` fixed per head | the forward's block loop per segment from zero, `o += λ^(t+1) q_t S_in`, `M = λ^c` | (P-1) x heads x d² | refused |
-| RWKV-4 (token shift + WKV), xLSTM mLSTM | the previous token; a log-scale state `(num, den, max)` / `(C, n, m)` | a one-token halo for the shift; summaries from zero folded in log scale, then the model's own kernel run again from the true entry state (the output is a ratio, not affine) | (P-1) x 4 d_att (RWKV); (P-1) x heads x (d_qk d_v + d_qk + 2) (xLSTM) | refused |
+| lightning attention (MiniMax) | the state (heads x d x d), decay `λ` fixed per head | the forward's block loop per segment from zero, `o += λ^(t+1) q_t S_in`, `M = λ^c` | (P-1) x heads x d² | exact: pieces from a zero state; the correction on the segment, where the first piece starts at t = 0 (behind padding, `λ` would decay the entry state); `M = 0` where a document starts |
+| RWKV-4 (token shift + WKV), xLSTM mLSTM | the previous token; a log-scale state `(num, den, max)` / `(C, n, m)` | a one-token halo for the shift; summaries from zero folded in log scale, then the model's own kernel run again from the true entry state (the output is a ratio, not affine) | (P-1) x 4 d_att (RWKV); (P-1) x heads x (d_qk d_v + d_qk + 2) (xLSTM) | exact: the shift by pieces (halo masked); the first run on pieces behind padding no sum or max sees (RWKV keys -1e30; xLSTM `i = 0, f = 1`), the rerun from the entry state kept for a first piece that continues a document; `M = 0` where a document starts |
 
 Packed documents (position ids restarting at 0): a packed row equals its documents run one by one through the
 plain model, on one device too (a plain Hugging Face model lets the state flow from one document into the next).
-Each segment runs one piece per document, right-aligned behind neutral zero tokens; only its first piece takes
-the entry state and the halo (masked to its own document: ids from the batch's global positions, no extra
-collective), and a segment holding a document start passes no earlier state on (`M = 0`), so gradients stop
-there too. Exact in float64 against each document run alone, P = 1, 2, 4, Ulysses and FPDT, activation
-checkpointing included (tests/test_hybrid_packed.py): LFM2, Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi-Linear,
-Jamba, Bamba, Falcon-H1, Granite-4 hybrid, Nemotron-H, RecurrentGemma, Mamba, Mamba-2, Falcon-Mamba (Zamba2
-takes the same Mamba-2 adapter). MiniMax, RWKV and xLSTM refuse packed rows, naming the mixer: train them on one
-document per row.
+Each segment runs one piece per document, right-aligned behind neutral tokens (zeros; for RWKV's and xLSTM's
+log-scale normalisers, tokens no sum or max sees); only its first piece takes the halo (masked to its own
+document: ids from the batch's global positions, no extra collective) and the entry state, at the document's
+first real token (a decay would act on it through the padding), and a segment holding a document start passes
+no earlier state on (`M = 0`), so gradients stop there too. Exact in float64 against each document run alone,
+P = 1, 2, 4, Ulysses and FPDT, activation checkpointing included (tests/test_hybrid_packed.py): all 17 hybrids
+of the sweep, LFM2, Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi-Linear, MiniMax, Jamba, Bamba, Falcon-H1, Granite-4
+hybrid, Nemotron-H, RecurrentGemma, Mamba, Mamba-2, Falcon-Mamba, xLSTM, RWKV (Zamba2 takes the same Mamba-2
+adapter). A mixer kind whose adapter cannot reset its state refuses packed rows, naming the mixer.
 """
 
 

@@ -103,6 +103,16 @@ STRATEGY_REGRESSIONS = {
     "bamba_packed_tp2_sp2": StratCase(
         arch="bamba", world=4, sp=2, seq=16, data_parallel="fsdp", tensor_parallel_size=2, packed=True, seed=19,
     ),
+    # ... RWKV's and xLSTM's log-scale normalisers behind the pieces' padding; documents at 0, 4, 13 (a chunk
+    # start, across ranks) and 0, 6, 13 (across the shard edge)
+    "rwkv_packed_fpdt_sp2": StratCase(arch="rwkv", world=2, sp=2, seq=24, fpdt_chunk_size=4, packed=True, seed=35),
+    "xlstm_packed_sp2_ckpt": StratCase(
+        arch="xlstm", world=2, sp=2, seq=16, activation_checkpointing=True, packed=True, seed=43,
+    ),
+    # refused until RWKV took packed rows (tests/test_hybrid.py REFUSED_RUNS): dp 2, offloaded activations
+    "rwkv_dp2_packed_offload": StratCase(
+        arch="rwkv", world=2, sp=1, seq=16, activation_offload=True, packed=True, seed=39962,
+    ),
 }  # fmt: skip
 
 

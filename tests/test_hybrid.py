@@ -293,11 +293,6 @@ def test_hybrids_at_one_and_four_ranks(dist_pool, mode, world):
 
 #: Trainer runs a hybrid refuses on EVERY rank before the forward (fuzz finds, tests/fuzz_strategy.py)
 REFUSED_RUNS = {
-    # dp ranks see different samples: the packed-rows refusal is agreed by an all-reduce before the forward
-    # (raised inside it on rank 0 only, rank 1 waited in DDP's all-reduce: a deadlock). Found with Bamba, whose
-    # packed rows are exact now (tests/test_hybrid_packed.py); RWKV still refuses them.
-    "rwkv_dp2_packed": ("packs several documents", dict(
-        arch="rwkv", world=2, sp=1, seq=16, activation_offload=True, packed=True, seed=39962)),
     # a chunk shorter than the conv's halo, refused at patch time (inside the forward, FSDP's teardown broke)
     "olmo_hybrid_fsdp_offload_chunk_below_halo": ("fpdt_chunk_size >= 3", dict(
         arch="olmo_hybrid", world=1, sp=1, seq=16, fpdt_chunk_size=2, offload=True, activation_offload=True,

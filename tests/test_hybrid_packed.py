@@ -2,16 +2,19 @@
 the plain model (float64, loss and every gradient), on one device and at P = 2 and 4, Ulysses and FPDT, with
 documents of one token, documents across shard and chunk edges and starting exactly at them
 (``arch_sweep.PACKED_DOCS``), and under activation checkpointing (the recompute reads the batch's documents
-from the context). The mixer kinds that cannot reset their state yet refuse packed rows by name."""
+from the context). A mixer kind that cannot reset its state (no ``PACKED``) refuses packed rows by name."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
-from arch_sweep import HYBRIDS, PACKED_EXACT, arch_by_name, build_model, make_packed_batch, sweep_packed
+from arch_sweep import HYBRIDS, PACKED_EXACT, sweep_packed
+from torch import nn
 
-from lightning_longctx import disable_sequence_parallel, enable_sequence_parallel, shard_batch
-from lightning_longctx.integrations.hybrid.base import Documents, to_segments
+from lightning_longctx.integrations import hybrid
+from lightning_longctx.integrations.hybrid.base import Documents, MixerCall, to_segments
 from lightning_longctx.sharding import document_ids, global_index
 
 
@@ -55,8 +58,9 @@ def test_document_pieces_of_each_segment(world, chunk):
 
 
 def test_packed_rows_on_one_device_with_checkpointing():
-    """P = 1 (no process group): the packed-correct result the plain model does not give, recompute included."""
-    rows = sweep_packed("fpdt", ["qwen3_5_text", "mamba"], checkpointing=True)
+    """P = 1 (no process group): the packed-correct result the plain model does not give, recompute included;
+    the three kinds whose padding needs care: MiniMax (a fixed decay), RWKV and xLSTM (log-scale normalisers)."""
+    rows = sweep_packed("fpdt", ["qwen3_5_text", "mamba", "minimax", "rwkv", "xlstm"], checkpointing=True)
     _exact(rows)
 
 
@@ -67,13 +71,75 @@ def test_packed_qwen3_next_two_ranks_fpdt(dist_pool):
         _exact(rows)
 
 
-def test_unsupported_mixers_refuse_packed_rows_by_name():
-    model = enable_sequence_parallel(build_model(arch_by_name("rwkv")))
+def _xlstm_chunkwise(mode: str) -> dict:
+    """One rank's packed rows of xLSTM with ``chunk_size=4``: the chunkwise kernel runs on pieces of several
+    chunks (some all padding) and on the segments from their entry states (the sweep's 64 steps through them)."""
+    import dataclasses
+
+    import arch_sweep
+    import torch.distributed as dist
+
+    arch = arch_sweep.arch_by_name("xlstm")
+    arch = dataclasses.replace(arch, overrides={**arch.overrides, "chunk_size": 4})
+    return arch_sweep._run_packed(arch, mode, dist.group.WORLD)
+
+
+def test_packed_xlstm_chunkwise_two_ranks(dist_pool):
+    """xLSTM's chunkwise kernels see no padding and continue a document from its entry state: exact at P = 2."""
+    rows = dist_pool(2).run(_xlstm_chunkwise, "ulysses")
+    assert all(r["verdict"] == "exact" for r in rows), rows
+
+
+class _Context:  # the fields MixerCall and packed_documents_refusal read
+    group = None
+    model_name = "FakeForCausalLM"
+    mixer_calls = 0
+
+    def __init__(self, documents: torch.Tensor) -> None:
+        self.positions = types.SimpleNamespace(documents=lambda: documents)
+        self.restore: dict = {}
+
+    def local_chunk(self, n: int) -> None:
+        return None
+
+
+class _ScanMixer(nn.Module):
+    """A mixer whose recurrence is a method (as RecurrentGemma's), adapted by a kind without ``PACKED``."""
+
+    def scan(self, x: torch.Tensor) -> torch.Tensor:
+        return x.cumsum(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scan(x)
+
+
+def _scan_adapter(call: MixerCall, original, x: torch.Tensor) -> torch.Tensor:
+    call.check(x.shape[1])
+    return original(x)
+
+
+def test_a_mixer_kind_without_packed_refuses_packed_rows_by_name(monkeypatch):
+    """Every kind of the package takes packed rows; one that does not set ``PACKED`` refuses them, naming the
+    mixer, both in the strategy's check before the forward and at the call; one document per row runs."""
+    monkeypatch.setitem(hybrid.METHODS, "_ScanMixer", {"scan": _scan_adapter})
+    mixer = _ScanMixer()
+    context = _Context(torch.tensor([[0, 0, 1, 1]]))  # a packed row: two documents
+    patched = hybrid.patch_mixers(nn.Sequential(mixer), context)
+    context.restore["mixers"] = patched
+    message = (
+        r"FakeForCausalLM: the batch packs several documents .* its mixer _ScanMixer cannot yet reset its"
+    )
+    x = torch.randn(1, 4, 2)
     try:
-        with pytest.raises(ValueError, match="its mixer RwkvSelfAttention cannot yet reset its"):
-            model(**shard_batch(make_packed_batch()))
+        assert not patched[0].call.packed
+        with pytest.raises(ValueError, match=message):
+            raise hybrid.packed_documents_refusal(context)
+        with pytest.raises(ValueError, match=message):
+            mixer(x)
+        context.positions = None  # one document per row
+        assert torch.equal(mixer(x), x.cumsum(1))
     finally:
-        disable_sequence_parallel(model)
+        hybrid.unpatch_mixers(patched)
 
 
 @pytest.mark.slow

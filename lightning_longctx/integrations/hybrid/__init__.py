@@ -11,9 +11,10 @@ the GPU kernels and the CPU fallbacks. Fused paths that cannot take an entry sta
 recurrence is a method or written inline (RecurrentGemma, MiniMax, RWKV's token shift, xLSTM's backend),
 :data:`METHODS` replaces that one method of the instance with an adapter around it.
 
-Packed rows (position ids restarting at 0) are exact for the kinds whose module sets ``PACKED = True`` (short
-convolutions, the delta rule, Mamba-2, Mamba-1, RecurrentGemma's RG-LRU): a packed row equals its documents
-run one by one, on one device too. A mixer that calls any other adapter refuses them (:func:`packed_documents_refusal`).
+Packed rows (position ids restarting at 0) are exact for the kinds whose module sets ``PACKED = True``: every
+kind of the package (short convolutions, the delta rule, Mamba-2, Mamba-1, RecurrentGemma's RG-LRU, MiniMax's
+lightning attention, RWKV-4, xLSTM); a packed row equals its documents run one by one, on one device too. A
+mixer calling an adapter of a kind without it would refuse them by name (:func:`packed_documents_refusal`).
 
 A mixer whose forward runs without calling an adapter (a path we did not adapt) raises at that call; a
 model with mixers that no adapter covers is refused at patch time (``integrations/masks.py``).

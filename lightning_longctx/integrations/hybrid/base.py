@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 #: The mixer kinds whose adapters reset their state at document starts (packed rows), for the messages.
 PACKED_KINDS = (
     "short convolutions (LFM2), gated DeltaNet / Kimi delta attention (Qwen3.5, Qwen3-Next, OLMo-hybrid, "
-    "Kimi-Linear), Mamba-2 (Mamba-2, Bamba, Falcon-H1, Granite-4 hybrid, Nemotron-H, Zamba2) and Mamba-1 "
-    "(Mamba, Falcon-Mamba, Jamba)"
+    "Kimi-Linear), Mamba-2 (Mamba-2, Bamba, Falcon-H1, Granite-4 hybrid, Nemotron-H, Zamba2), Mamba-1 "
+    "(Mamba, Falcon-Mamba, Jamba), RG-LRU (RecurrentGemma), lightning attention (MiniMax), RWKV-4 and xLSTM"
 )
 
 

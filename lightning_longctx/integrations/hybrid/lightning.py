@@ -16,6 +16,14 @@ The forward is replaced (its recurrence is inline, and its only entry state, the
 to a per-token loop): the same projections, activation, padding mask, norm, gate and output projection, in
 the model's order, around the per-segment block loop above. Cost as the model's, plus the correction
 ``u * b * h * c * d²``. A cache is refused.
+
+Packed documents (:class:`~lightning_longctx.integrations.hybrid.base.Documents`): the block loop runs on the
+document pieces of the segments, each from a zero state behind zero tokens (``k = v = 0`` add nothing to a
+zero state), so ``o⁰`` is every piece's output alone and the last piece's final state is the segment's
+``B``. The entry state is NOT given to a piece: ``λ`` would decay it through the piece's leading zeros. The
+correction ``λ^(t+1) q_t S_in`` is added on the segment instead, where the first piece starts at ``t = 0``,
+and only to the tokens of a first piece that continues a document (``Documents.entry``); ``M = 0`` for a
+segment holding a document start, so gradients stop there too.
 """
 
 from __future__ import annotations
@@ -85,13 +93,22 @@ def lightning_forward(
     qkv = qkv.reshape(b, local, heads, 3 * d)
     q, k, v = (to_segments(x.transpose(1, 2), 2, c) for x in torch.split(qkv, d, dim=3))  # (u*b, h, c, d)
 
-    out0, B = _blocks_from_zero(attn, q, k, v)
+    docs = sp.documents(local, b, 0, hidden_states.device)
     slope = attn.slope_rate  # (h, 1, 1)
-    M = torch.exp(-slope * c).to(B.dtype).expand(u, 1, heads, 1, 1)  # λ^c, the same for every segment
-    S = exclusive_affine_scan(M, B.unflatten(0, (u, -1)), torch.mul, sp.group).flatten(0, 1)  # (u*b, h, d, d)
+    M = torch.exp(-slope * c)  # (h, 1, 1): λ^c, the same for every segment
     # the entry state reaches token t of its segment decayed t+1 times, as the model's inter-block term
     decay = torch.exp(-slope * torch.arange(1, c + 1, device=q.device)[:, None]).to(q.dtype)  # (h, c, 1)
-    out = out0 + torch.matmul(q * decay, S)
+    q_in = q * decay  # (u*b, h, c, d): what reads the entry state
+    if docs is None:
+        out0, B = _blocks_from_zero(attn, q, k, v)
+        M = M.to(B.dtype).expand(u, 1, heads, 1, 1)
+    else:  # one row per document piece behind zeros, each from a zero state; the exit state is the last piece's
+        out0, final = _blocks_from_zero(attn, *(docs.gather(x, 2) for x in (q, k, v)))
+        out0, B = docs.scatter(out0, 2), final[docs.last]
+        M = (M.to(B.dtype) * ~docs.restarts[:, None, None, None]).unflatten(0, (u, -1))  # 0 after a start
+        q_in = q_in * docs.entry[:, None, :, None]  # only a first piece that continues a document reads it
+    S = exclusive_affine_scan(M, B.unflatten(0, (u, -1)), torch.mul, sp.group).flatten(0, 1)  # (u*b, h, d, d)
+    out = out0 + torch.matmul(q_in, S)
 
     out = from_segments(out, 2, u).transpose(1, 2).reshape(b, local, heads * d)
     out = attn.norm(out)
@@ -100,4 +117,5 @@ def lightning_forward(
     return attn.out_proj(out), exit_state
 
 
+PACKED = True
 METHODS = {"MiniMaxLightningAttention": {"forward": lightning_forward}}

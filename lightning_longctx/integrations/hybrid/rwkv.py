@@ -23,6 +23,17 @@ one all-gather of ``4 * attention_hidden * u * b`` floats.
 
 The torch function is used on every device: the CUDA kernel's backward drops the gradient of its state.
 Caches (``state`` in or out, ``use_cache=True``) are refused.
+
+Packed documents (:class:`~lightning_longctx.integrations.hybrid.base.Documents`). Token shifts: the model's
+method runs on the document pieces of the segments, each right-aligned behind zero tokens with the halo in
+front of a first piece that continues a document (masked to it), so a document's first token is shifted
+against a zero, as alone. WKV: zero tokens are not neutral (``e^0 = 1`` would count in the denominator and
+the max), so the first run's padding keys are a huge negative number (:func:`_pad_key`): their terms
+vanish (``e^{k - max} = 0``) and the first real token meets an empty state, as the document alone does.
+``B`` is the last piece's final state, the decay ``W = -inf`` (``M = 0``) for a segment holding a document
+start. The entry state is never given to a piece (its decay would run through the padding): the second run
+is on the segments, where the first piece starts at the segment start, and only the tokens of a first piece
+that continues a document take its outputs (``Documents.entry``); every other token keeps its piece's.
 """
 
 from __future__ import annotations
@@ -40,15 +51,26 @@ from lightning_longctx.integrations.hybrid.base import MixerCall, from_segments,
 _EMPTY_MAX = -1e38
 
 
-def _previous_tokens(sp: MixerCall, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``hidden`` ``(b, s/P, hidden)`` -> its segments ``(u*b, c, hidden)``, the token before each segment in
-    global order ``(u*b, hidden)`` (zeros before the sequence start) and ``u``."""
+def _shifted(
+    sp: MixerCall,
+    hidden: torch.Tensor,
+    run: Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, ...]],
+) -> list[torch.Tensor]:
+    """A token-shift method across segments: ``hidden`` ``(b, s/P, hidden)``; ``run(x, before)`` calls it on
+    rows ``x`` ``(n, W, hidden)`` with ``before`` ``(n, hidden)`` the token before each row (``None``: zeros,
+    the shift's own padding) and returns its per-token outputs ``(n, W, ...)``; those in ``(b, s/P, ...)``."""
     local = hidden.shape[1]
     c = sp.check(local, halo=1)
     u = local // c
-    segs = to_segments(hidden, 1, c)
+    segs = to_segments(hidden, 1, c)  # (u*b, c, hidden)
+    # the token before each segment in global order (zeros before the sequence start)
     before = halo_exchange(segs[:, -1].unflatten(0, (u, -1)), sp.group).flatten(0, 1)
-    return segs, before, u
+    docs = sp.documents(local, hidden.shape[0], 1, hidden.device)
+    if docs is None:
+        outs = run(segs, before)
+    else:  # one piece per document behind zeros, the halo (masked to its document) before a first piece
+        outs = tuple(docs.scatter(x, 1) for x in run(docs.gather(segs, 1, before[:, None]), None))
+    return [from_segments(x, 1, u) for x in outs]
 
 
 def _shift_state(before: torch.Tensor, layer_id: int) -> torch.Tensor:
@@ -68,10 +90,14 @@ def time_mix_inputs(
     value ``(b, s/P, attention_hidden)`` and no state."""
     if state is not None:
         sp.refuse("its time mixing with a recurrent state (a cache)")
-    segs, before, u = _previous_tokens(sp, hidden)
     layer_id = original.__self__.layer_id  # type: ignore[attr-defined]
-    receptance, key, value, _ = original(segs, state=[None, _shift_state(before, layer_id)])
-    return (*(from_segments(x, 1, u) for x in (receptance, key, value)), None)  # type: ignore[return-value]
+
+    def run(x: torch.Tensor, before: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        shift = None if before is None else [None, _shift_state(before, layer_id)]
+        return original(x, state=shift)[:3]
+
+    receptance, key, value = _shifted(sp, hidden, run)
+    return receptance, key, value, None
 
 
 def channel_mix(
@@ -83,10 +109,18 @@ def channel_mix(
     """``RwkvFeedForward.forward``: ``hidden`` ``(b, s/P, hidden)``; returns ``((b, s/P, hidden), None)``."""
     if state is not None:
         sp.refuse("its channel mixing with a recurrent state (a cache)")
-    segs, before, u = _previous_tokens(sp, hidden)
     layer_id = original.__self__.layer_id  # type: ignore[attr-defined]
-    out, _ = original(segs, state=[_shift_state(before, layer_id)])
-    return from_segments(out, 1, u), None
+
+    def run(x: torch.Tensor, before: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        return original(x, state=None if before is None else [_shift_state(before, layer_id)])[:1]
+
+    return _shifted(sp, hidden, run)[0], None
+
+
+def _pad_key(dtype: torch.dtype) -> float:
+    """The key of a piece's leading padding: ``e^{k - max}`` is 0 against any real token's max, yet above
+    the model's empty-state max ``-1e38`` (so that a padding token sees a denominator of 1, not 0 / 0)."""
+    return max(-1e30, torch.finfo(dtype).min / 4)
 
 
 def _log_combine(M: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
@@ -121,19 +155,34 @@ def wkv(
     local = key.shape[1]
     c = sp.check(local)
     u = local // c
+    docs = sp.documents(local, key.shape[0], 0, key.device)
     k, v = to_segments(key, 1, c), to_segments(value, 1, c)  # (u*b, c, A)
-    _, (num, den, top) = torch_wkv(time_decay, time_first, k, v, state=None, return_state=True)
+    if docs is None:
+        _, (num, den, top) = torch_wkv(time_decay, time_first, k, v, state=None, return_state=True)
+    else:  # one row per document piece; its leading padding counts for nothing (module docstring)
+        real = docs.gather(torch.ones_like(k[..., :1], dtype=torch.bool), 1)  # (pieces, L, 1)
+        k_pieces = docs.gather(k, 1).masked_fill(~real, _pad_key(k.dtype))
+        out0, (num, den, top) = torch_wkv(
+            time_decay, time_first, k_pieces, docs.gather(v, 1), state=None, return_state=True
+        )
+        out0 = docs.scatter(out0, 1)
+        num, den, top = num[docs.last], den[docs.last], top[docs.last]  # the exit state: the last piece's
     # a segment decays an earlier state by e^{w c}; B travels in M so that the fold is the log-scale sum
     W = (-torch.exp(time_decay.float()) * c).expand_as(num)
+    if docs is not None:  # e^{-inf} = 0: a document start passes no earlier state on
+        W = W.masked_fill(docs.restarts[:, None], float("-inf"))
     M = torch.stack([W, num, den, top], dim=-2).unflatten(0, (u, -1))  # (u, b, 4, A)
     zero = num.new_zeros(u, num.shape[0] // u, 3, num.shape[-1])
     S = exclusive_affine_scan(M, zero, _log_combine, sp.group).flatten(0, 1)  # (u*b, 3, A)
     num_in, den_in, max_in = S.unbind(-2)
     max_in = torch.where(den_in > 0, max_in, torch.full_like(max_in, _EMPTY_MAX))
     out, _ = torch_wkv(time_decay, time_first, k, v, state=[num_in, den_in, max_in])
+    if docs is not None:  # the entry state's run counts for a first piece that continues a document only
+        out = torch.where(docs.entry[..., None], out, out0)
     return from_segments(out, 1, u), None
 
 
+PACKED = True
 ADAPTERS = {"rwkv_linear_attention": wkv}
 METHODS = {
     "RwkvSelfAttention": {"extract_key_value": time_mix_inputs},

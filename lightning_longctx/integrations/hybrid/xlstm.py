@@ -22,6 +22,18 @@ tokens; ``"train_with_padding"`` pads with zeros, which would decay the state it
 segment lengths, and for that mode, both runs take the backend's ``"inference"`` path: the same recurrence
 (chunkwise over whole chunks, step by step for the rest) that returns exact last states at any length.
 
+Packed documents (:class:`~lightning_longctx.integrations.hybrid.base.Documents`): the first run is on the
+document pieces of the segments, each from the zero state behind padding tokens that add nothing and forget
+nothing (``q = k = v = 0``, ``ĩ = -inf``: ``i = 0``, ``f̃ = +inf``: ``f = 1``), so neither the normaliser nor the
+max tracker ``m`` sees them, in the step and in the chunkwise kernels alike: the first real token meets the
+zero state, as the document alone does. The pieces are widened by such padding to a multiple of
+``chunk_size``, so the chunkwise kernel takes them whole (no token-by-token rest). ``B`` is the last piece's
+final state, ``log F = -inf`` (``M = 0``) for a segment holding a document start. The entry state is never
+given to a piece: the second run is on the segments, where the first piece starts at the segment start, and
+only the tokens of a first piece that continues a document take its outputs (``Documents.entry``); every
+other token keeps its piece's. The summaries are cast to one dtype (the kernels return float32 states from
+their steps, the inputs' dtype from their chunks), so that every rank all-gathers the same bytes.
+
 The external ``xlstm`` package's blocks (used when it is installed) are not adapted: such models stay
 refused. Caches (an entry state) are refused.
 """
@@ -35,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_longctx.comm import exclusive_affine_scan
-from lightning_longctx.integrations.hybrid.base import MixerCall, from_segments, to_segments
+from lightning_longctx.integrations.hybrid.base import Documents, MixerCall, from_segments, to_segments
 
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -59,6 +71,44 @@ def _log_combine(M: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     m = torch.maximum(m_s, m_b)
     mixed = torch.exp(m_s - m) * S[..., :-1] + torch.exp(m_b - m) * B[..., :-1]
     return torch.cat([mixed, m], dim=-1)
+
+
+def _mode(backend: torch.nn.Module, mode: str, length: int) -> str:
+    """The backend mode for rows of ``length`` tokens: ``mode``, or ``"inference"`` where it cannot return
+    exact last states (module docstring)."""
+    if mode == "train" and length % backend.config.chunk_size == 0:
+        return mode
+    return "inference"  # the same recurrence, exact last states at any length
+
+
+def _pieces(
+    docs: Documents,
+    chunk: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    i: torch.Tensor,
+    f: torch.Tensor,
+) -> list[torch.Tensor]:
+    """The document pieces of the segments ``q``/``k``/``v`` ``(n, heads, c, d)``, ``i``/``f`` ``(n, heads, c)``:
+    each right-aligned behind padding that adds nothing and forgets nothing (``q = k = v = 0``, ``ĩ = -inf``,
+    ``f̃ = +inf``), ``(pieces, heads, W, ...)`` with ``W`` widened to a multiple of the kernel's ``chunk``: the
+    chunkwise kernel takes them whole, with no token-by-token rest."""
+    real = docs.gather(torch.ones_like(i, dtype=torch.bool), 2)  # (pieces, heads, L)
+    widen = -real.shape[2] % chunk
+
+    def piece(x: torch.Tensor) -> torch.Tensor:  # (pieces, heads, widen + L, ...), zeros in front
+        x = docs.gather(x, 2)
+        return torch.cat([x.new_zeros(*x.shape[:2], widen, *x.shape[3:]), x], dim=2)
+
+    pad = torch.cat([real.new_ones(*real.shape[:2], widen), ~real], dim=2)  # before each piece's first token
+    return [
+        piece(q),
+        piece(k),
+        piece(v),
+        piece(i).masked_fill(pad, -float("inf")),
+        piece(f).masked_fill(pad, float("inf")),
+    ]
 
 
 def mlstm_backend(
@@ -85,24 +135,37 @@ def mlstm_backend(
     c = sp.check(local)
     u = local // c
     mode = mode or backend.config.mode
-    if mode != "inference" and not (mode == "train" and c % backend.config.chunk_size == 0):
-        mode = "inference"  # the same recurrence, exact last states at any length (module docstring)
+    docs = sp.documents(local, query.shape[0], 0, query.device)
     q, k, v, i, f = (to_segments(x, 2, c) for x in (query, key, value, igate, fgate))  # (u*b, heads, c, ...)
     d_qk, d_v = k.shape[-1], v.shape[-1]
 
-    _, (C_b, n_b, m_b) = original(q, k, v, i, f, return_last_states=True, mode=mode)
+    seg_mode = _mode(backend, mode, c)
+    if docs is None:
+        _, (C_b, n_b, m_b) = original(q, k, v, i, f, return_last_states=True, mode=seg_mode)
+    else:  # one row per document piece, behind padding with i = 0, f = 1 (module docstring)
+        pieces = _pieces(docs, backend.config.chunk_size, q, k, v, i, f)
+        width = pieces[0].shape[2]
+        h0, last = original(*pieces, return_last_states=True, mode=_mode(backend, mode, width))
+        h0 = docs.scatter(h0[:, :, width - docs.width :], 2)
+        C_b, n_b, m_b = (x[docs.last] for x in last)  # the exit state: the last piece's
     log_f = F.logsigmoid(f.float()).sum(-1, keepdim=True)  # (u*b, heads, 1): the segment's total decay
-    B = _pack(C_b, n_b, m_b)
+    if docs is not None:  # e^{-inf} = 0: a document start passes no earlier state on
+        log_f = log_f.masked_fill(docs.restarts[:, None, None], -float("inf"))
+    # steps return float32 states, chunks the inputs' dtype: one dtype on every rank (module docstring)
+    B = _pack(C_b, n_b, m_b).to(torch.promote_types(q.dtype, torch.float32))
     M = torch.cat([log_f.to(B.dtype), B], dim=-1).unflatten(0, (u, -1))  # B travels in M ...
     zero = B.new_zeros(B.shape).unflatten(0, (u, -1))  # ... so the fold adds nothing after _log_combine
     S = exclusive_affine_scan(M, zero, _log_combine, sp.group).flatten(0, 1)  # (u*b, heads, D)
     C_in, n_in, m_in = _unpack(S, d_qk, d_v)
 
     h, _ = original(
-        q, k, v, i, f, c_initial=C_in, n_initial=n_in, m_initial=m_in, return_last_states=True, mode=mode
+        q, k, v, i, f, c_initial=C_in, n_initial=n_in, m_initial=m_in, return_last_states=True, mode=seg_mode
     )
+    if docs is not None:  # the entry state's run counts for a first piece that continues a document only
+        h = torch.where(docs.entry[:, None, :, None], h, h0)
     exit_state = _unpack(_log_combine(M[-1], S.unflatten(0, (u, -1))[-1]), d_qk, d_v)
     return from_segments(h, 2, u), exit_state
 
 
+PACKED = True
 METHODS = {"xLSTMBackend": {"forward": mlstm_backend}}
