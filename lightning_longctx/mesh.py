@@ -147,80 +147,66 @@ def build_world_mesh(layout: ParallelLayout, device_type: str, *, flatten: bool 
         from torch.distributed.device_mesh import DeviceMesh
 
         flatten = can_flatten(DeviceMesh)
+    if not flatten:
+        return _enumerated_mesh(layout, device_type)
     if layout.ring > 1:
-        return _ring_mesh(layout, device_type, flatten)
-    if flatten:
-        root = init_device_mesh(device_type, (layout.dp, layout.sp, layout.tp), mesh_dim_names=MESH_AXES)
-        return WorldMesh(
-            layout=layout,
-            root=root,
-            replicas=root[DP_AXIS, SP_AXIS]._flatten(REPLICA_AXIS),
-            tp=root[TP_AXIS],
-            sp_group=root[SP_AXIS].get_group(),
-            dp_group=root[DP_AXIS].get_group(),
-            flattened=True,
-        )
-    import torch.distributed as dist
-
-    root = init_device_mesh(device_type, (layout.replicas, layout.tp), mesh_dim_names=(REPLICA_AXIS, TP_AXIS))
-    ranks = root.mesh.reshape(layout.dp, layout.sp, layout.tp)  # global ranks at (dp, sp, tp) coordinates
-    # every rank creates every group, in the same order (new_group is a collective over the world)
-    sp_groups = [ranks[d, :, t].tolist() for d in range(layout.dp) for t in range(layout.tp)]
-    dp_groups = [ranks[:, s, t].tolist() for s in range(layout.sp) for t in range(layout.tp)]
-    sp_group, _ = dist.new_subgroups_by_enumeration(sp_groups)
-    dp_group, _ = dist.new_subgroups_by_enumeration(dp_groups)
+        return _ring_mesh(layout, device_type)
+    root = init_device_mesh(device_type, (layout.dp, layout.sp, layout.tp), mesh_dim_names=MESH_AXES)
     return WorldMesh(
         layout=layout,
         root=root,
-        replicas=root[REPLICA_AXIS],
+        replicas=root[DP_AXIS, SP_AXIS]._flatten(REPLICA_AXIS),
         tp=root[TP_AXIS],
-        sp_group=sp_group,
-        dp_group=dp_group,
-        flattened=False,
+        sp_group=root[SP_AXIS].get_group(),
+        dp_group=root[DP_AXIS].get_group(),
+        flattened=True,
     )
 
 
-def _ring_mesh(layout: ParallelLayout, device_type: str, flatten: bool) -> WorldMesh:
-    """:func:`build_world_mesh` with the sp axis split into ``(sp_ring, sp_ulysses)``: the root is 4-D
-    ``(data_parallel, sp_ring, sp_ulysses, tensor_parallel)``, the sp group its flattened ``(sp_ring,
+def _ring_mesh(layout: ParallelLayout, device_type: str) -> WorldMesh:
+    """:func:`build_world_mesh` with ``_flatten`` and the sp axis split into ``(sp_ring, sp_ulysses)``: the root
+    is 4-D ``(data_parallel, sp_ring, sp_ulysses, tensor_parallel)``, the sp group its flattened ``(sp_ring,
     sp_ulysses)`` view (the same ranks as the 3-D mesh's sp axis) and ``replicas`` the flattened
-    ``(data_parallel, sp_ring, sp_ulysses)``. Without ``_flatten`` the root is the same 2-D fallback and every
-    group is enumerated from its ranks."""
+    ``(data_parallel, sp_ring, sp_ulysses)``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dims = (layout.dp, layout.ring, layout.ulysses, layout.tp)
-    if flatten:
-        names = (DP_AXIS, RING_AXIS, ULYSSES_AXIS, TP_AXIS)
-        root = init_device_mesh(device_type, dims, mesh_dim_names=names)
-        return WorldMesh(
-            layout=layout,
-            root=root,
-            replicas=root[DP_AXIS, RING_AXIS, ULYSSES_AXIS]._flatten(REPLICA_AXIS),
-            tp=root[TP_AXIS],
-            sp_group=root[RING_AXIS, ULYSSES_AXIS]._flatten(SP_AXIS).get_group(),
-            dp_group=root[DP_AXIS].get_group(),
-            flattened=True,
-            ring_group=root[RING_AXIS].get_group(),
-            ulysses_group=root[ULYSSES_AXIS].get_group(),
-        )
+    root = init_device_mesh(device_type, dims, mesh_dim_names=(DP_AXIS, RING_AXIS, ULYSSES_AXIS, TP_AXIS))
+    return WorldMesh(
+        layout=layout,
+        root=root,
+        replicas=root[DP_AXIS, RING_AXIS, ULYSSES_AXIS]._flatten(REPLICA_AXIS),
+        tp=root[TP_AXIS],
+        sp_group=root[RING_AXIS, ULYSSES_AXIS]._flatten(SP_AXIS).get_group(),
+        dp_group=root[DP_AXIS].get_group(),
+        flattened=True,
+        ring_group=root[RING_AXIS].get_group(),
+        ulysses_group=root[ULYSSES_AXIS].get_group(),
+    )
+
+
+def _enumerated_mesh(layout: ParallelLayout, device_type: str) -> WorldMesh:
+    """The fallback without ``DeviceMesh._flatten``: a 2-D root ``(dp_sp, tensor_parallel)`` with the same rank
+    order, the dp, sp (and with ``ring > 1`` the ring and Ulysses) groups enumerated from its ranks: the FSDP2
+    and TP meshes still share one root, and every group is the one the full mesh would give."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     root = init_device_mesh(device_type, (layout.replicas, layout.tp), mesh_dim_names=(REPLICA_AXIS, TP_AXIS))
-    ranks = root.mesh.reshape(dims)  # global ranks at (dp, j, u, tp) coordinates
-    dp, r, u, tp = dims
-    # every rank creates every group, in the same order (new_group is a collective over the world)
-    sp_group, _ = dist.new_subgroups_by_enumeration(
-        [ranks[d, :, :, t].flatten().tolist() for d in range(dp) for t in range(tp)]
-    )
-    dp_group, _ = dist.new_subgroups_by_enumeration(
-        [ranks[:, j, i, t].tolist() for j in range(r) for i in range(u) for t in range(tp)]
-    )
-    ring_group, _ = dist.new_subgroups_by_enumeration(
-        [ranks[d, :, i, t].tolist() for d in range(dp) for i in range(u) for t in range(tp)]
-    )
-    ulysses_group, _ = dist.new_subgroups_by_enumeration(
-        [ranks[d, j, :, t].tolist() for d in range(dp) for j in range(r) for t in range(tp)]
-    )
+    dp, r, u, tp = layout.dp, layout.ring, layout.ulysses, layout.tp
+    ranks = root.mesh.reshape(dp, r, u, tp)  # global ranks at (dp, j, u, tp) coordinates; sp rank = j * U + u
+
+    def groups(cells: list[list[int]]) -> Any:  # every rank creates every group, in the same order
+        return dist.new_subgroups_by_enumeration(cells)[0]
+
+    sp_group = groups([ranks[d, :, :, t].flatten().tolist() for d in range(dp) for t in range(tp)])
+    dp_group = groups([ranks[:, j, i, t].tolist() for j in range(r) for i in range(u) for t in range(tp)])
+    rings = None
+    if r > 1:
+        rings = (
+            groups([ranks[d, :, i, t].tolist() for d in range(dp) for i in range(u) for t in range(tp)]),
+            groups([ranks[d, j, :, t].tolist() for d in range(dp) for j in range(r) for t in range(tp)]),
+        )
     return WorldMesh(
         layout=layout,
         root=root,
@@ -229,6 +215,6 @@ def _ring_mesh(layout: ParallelLayout, device_type: str, flatten: bool) -> World
         sp_group=sp_group,
         dp_group=dp_group,
         flattened=False,
-        ring_group=ring_group,
-        ulysses_group=ulysses_group,
+        ring_group=None if rings is None else rings[0],
+        ulysses_group=None if rings is None else rings[1],
     )
