@@ -192,6 +192,22 @@ class _Piece:
         return (self.q_rows.stop - self.q_rows.start) * (self.kv_rows.stop - self.kv_rows.start)
 
 
+def _plan(
+    layout: RingLayout,
+    causal: bool,
+    sliding_window: int | None,
+    documents: torch.Tensor | None,
+    block_size: int,
+    kernel: Any = None,
+    bias_kernel: Any = None,
+) -> BlockPlan:
+    """FPDT's block plan over the layout's global chunks (the same for every rank: it reads gathered data)."""
+    return BlockPlan.build(
+        layout.num_chunks, layout.chunk_len, block_size=block_size, causal=causal, sliding_window=sliding_window,
+        docs=documents, kernel=kernel, bias_kernel=bias_kernel,
+    )  # fmt: skip
+
+
 def _schedule(layout: RingLayout, plan: BlockPlan, rank: int) -> tuple[tuple[_Piece, ...], ...]:
     """Per step t, ``rank``'s kernel calls against the k/v of ring rank ``(rank - t) mod r`` (in forward
     and backward alike); an empty step still passes its k/v on."""
@@ -409,16 +425,7 @@ def ring_attention(
     kernel, bias_kernel = block_kernels(
         backend, q, k, softcap=softcap, masked=masked, caller="ring_attention"
     )
-    plan = BlockPlan.build(
-        layout.num_chunks,
-        layout.chunk_len,
-        block_size=block_size,
-        causal=causal,
-        sliding_window=sliding_window,
-        docs=documents,
-        kernel=kernel,
-        bias_kernel=bias_kernel,
-    )
+    plan = _plan(layout, causal, sliding_window, documents, block_size, kernel, bias_kernel)
     scale = default_scale(q.shape[-1], softmax_scale)
     call = _RingCall(group, layout, plan, scale, softcap, _schedule(layout, plan, rank))
     return _RingAttention.apply(q, k, v, sinks, call)
@@ -436,14 +443,7 @@ def ring_work(
     same), in ring-rank order, with the math blocks' tiles (``block_size``); no process group needed.
     ``documents``: ``(b, N)`` as for :func:`ring_attention`. Causal balance: zigzag gives every rank
     ``(2r + 1) * chunk_len**2`` (one tile per block), contiguous gives rank j ``(j + 1) * (N/r)**2``."""
-    plan = BlockPlan.build(
-        layout.num_chunks,
-        layout.chunk_len,
-        block_size=block_size,
-        causal=causal,
-        sliding_window=sliding_window,
-        docs=documents,
-    )
+    plan = _plan(layout, causal, sliding_window, documents, block_size)
     return [sum(p.work for step in _schedule(layout, plan, j) for p in step) for j in range(layout.ring_size)]
 
 
