@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
+from lightning_longctx.attention.fpdt import FPDT_BACKENDS
 from lightning_longctx.mesh import ParallelLayout
 from lightning_longctx.sharding import IGNORE_INDEX, chunk_for
 
@@ -126,6 +127,11 @@ class SequenceParallelConfig:
         ring = self.ring_size
         if isinstance(ring, bool) or not isinstance(ring, int) or ring < 1:
             raise ValueError(f"ring_size={ring!r}: use a positive int (1: Ulysses alone)")
+        if ring > 1 and self.attention_backend not in FPDT_BACKENDS:
+            raise ValueError(
+                f"ring_size={ring} with attention_backend={self.attention_backend!r}: ring attention runs FPDT's "
+                f"block kernels (they return the log-sum-exp the ring merges); use one of {list(FPDT_BACKENDS)}"
+            )
         if ring > 1 and self.fpdt_chunk_size is not None:
             raise ValueError(
                 f"ring_size={ring} with fpdt_chunk_size={self.fpdt_chunk_size}: FPDT's chunking does not compose "

@@ -447,6 +447,10 @@ def test_strategy_ring_refusals(dist_pool):
         SequenceParallelConfig(ring_size=2, fpdt_chunk_size=4)
     with pytest.raises(ValueError, match=r"ring_size=3 must divide sequence_parallel_size=4"):
         SequenceParallelConfig(sequence_parallel_size=4, ring_size=3).resolve(4, 0, "cpu")
+    with pytest.raises(
+        ValueError, match=r"ring_size=2 with attention_backend='sdpa': ring attention runs FPDT"
+    ):
+        SequenceParallelConfig(ring_size=2, attention_backend="sdpa")
     with pytest.raises(ValueError, match=r"ring_size=0: use a positive int"):
         SequenceParallelConfig(ring_size=0)
     resolved = SequenceParallelConfig(sequence_parallel_size=4, ring_size=2).resolve(8, 0, "cpu")
