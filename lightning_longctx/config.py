@@ -95,8 +95,9 @@ class SequenceParallelConfig:
             ``sequence_parallel_size / ring_size`` Ulysses ranks; the all-to-all runs inside each Ulysses group
             (adjacent ranks) and ring attention passes key/value blocks between the groups, so only the
             Ulysses degree must fit the heads. Tokens are laid out zigzag over the ring (equal causal work).
-            ``1`` (default): Ulysses alone. Ulysses mode only (``fpdt_chunk_size=None``), models whose every
-            token mixer is attention.
+            ``1`` (default): Ulysses alone. Ulysses mode only (``fpdt_chunk_size=None``), an
+            ``attention_backend`` of FPDT's block kernels (``"auto"``, ``"fused"``, ``"math"``), models whose
+            every token mixer is attention.
     """
 
     sequence_parallel_size: int | Literal["auto"] = "auto"
