@@ -63,29 +63,45 @@ DEFAULT_POINTS = (
     # chunked loss vocabulary parallel)
     "8192:4:fpdt:fsdp:tp2",
     "8192:4:ulysses:fsdp:tp2",
+    # Ulysses x ring: sp 2 as a ring of 2 (U = 1), sp 4 as ring 2 x Ulysses 2
+    "16384:2:ulysses:ring2",
+    "8192:4:ulysses:ring2",
 )
+#: where the ring's layer backward is the peak (``--vocab 512 --intermediate 128``: the attention moment above the
+#: MLP's and the loss's), ~4 minutes: the ring's buffers and working sets are the binding terms
+RING_POINTS = ("16384:2:ulysses:ring2:ckpt", "16384:4:ulysses:ring2:ckpt", "16384:4:ulysses:ring4:ckpt")
 SMOKE_POINTS = ("1024:2:ulysses", "1024:2:fpdt:offload:aoff", "1024:2:fpdt:coff:mp:ckpt")
 FLAGS = {"offload", "ckpt", "aoff", "fsdp", "coff", "mp"}
 
 
+def _numbered(flags: set[str], prefix: str) -> set[str]:
+    return {
+        f for f in flags if f.startswith(prefix) and f[len(prefix) :].isdigit() and int(f[len(prefix) :]) >= 1
+    }
+
+
 def parse_point(text: str) -> dict[str, Any]:
-    """``N:P:mode[:offload][:ckpt][:aoff][:fsdp][:coff][:mp][:tpT]`` -> the point's settings (``aoff``: activation
-    offload, which checkpoints too; ``coff``: ``cpu_offload``, FSDP; ``mp``: FSDP with ``bf16-mixed``, i.e. the
-    MixedPrecisionPolicy; ``tpT``: ``tensor_parallel_size=T``, FSDP, the P ranks as sp = P / T x tp = T)."""
+    """``N:P:mode[:offload][:ckpt][:aoff][:fsdp][:coff][:mp][:tpT][:ringR]`` -> the point's settings (``aoff``:
+    activation offload, which checkpoints too; ``coff``: ``cpu_offload``, FSDP; ``mp``: FSDP with ``bf16-mixed``,
+    i.e. the MixedPrecisionPolicy; ``tpT``: ``tensor_parallel_size=T``, FSDP, the P ranks as sp = P / T x tp = T;
+    ``ringR``: ``ring_size=R``, Ulysses x ring, R dividing sp)."""
     parts = text.split(":")
     flags = set(parts[3:])
-    tp_flags = {f for f in flags if f.startswith("tp") and f[2:].isdigit() and int(f[2:]) >= 1}
+    tp_flags, ring_flags = _numbered(flags, "tp"), _numbered(flags, "ring")
     tp = int(next(iter(tp_flags))[2:]) if len(tp_flags) == 1 else 1
-    if (len(parts) < 3 or parts[2] not in ("ulysses", "fpdt") or flags - FLAGS - tp_flags or len(tp_flags) > 1
-            or int(parts[1]) % tp):  # fmt: skip
+    ring = int(next(iter(ring_flags))[4:]) if len(ring_flags) == 1 else 1
+    if (len(parts) < 3 or parts[2] not in ("ulysses", "fpdt") or flags - FLAGS - tp_flags - ring_flags
+            or len(tp_flags) > 1 or len(ring_flags) > 1 or int(parts[1]) % tp or (int(parts[1]) // tp) % ring
+            or (ring > 1 and parts[2] != "ulysses")):  # fmt: skip
         raise argparse.ArgumentTypeError(
-            f"{text!r}: write N:P:ulysses|fpdt[:offload][:ckpt][:aoff][:fsdp][:coff][:mp][:tpT] (T dividing P), "
-            "e.g. 32768:2:fpdt:offload or 8192:4:fpdt:fsdp:tp2"
+            f"{text!r}: write N:P:ulysses|fpdt[:offload][:ckpt][:aoff][:fsdp][:coff][:mp][:tpT][:ringR] (T dividing "
+            "P, R dividing P / T, a ring in Ulysses mode), e.g. 32768:2:fpdt:offload, 8192:4:fpdt:fsdp:tp2 or "
+            "8192:4:ulysses:ring2"
         )
     return {"N": int(parts[0]), "P": int(parts[1]), "mode": parts[2], "offload": "offload" in flags,
             "ckpt": "ckpt" in flags or "aoff" in flags, "aoff": "aoff" in flags,
             "fsdp": bool(flags & {"fsdp", "coff", "mp"}) or tp > 1, "coff": "coff" in flags, "mp": "mp" in flags,
-            "tp": tp}  # fmt: skip
+            "tp": tp, "ring": ring}  # fmt: skip
 
 
 def precision_of(args: argparse.Namespace, point: dict[str, Any]) -> str:
@@ -129,6 +145,7 @@ def _point(args: argparse.Namespace, point: dict[str, Any]) -> dict[str, Any]:
     strategy = UlyssesFPDTStrategy(
         sequence_parallel_size=point["P"] // point["tp"],
         tensor_parallel_size=point["tp"],
+        ring_size=point["ring"],
         fpdt_chunk_size=args.chunk_size if point["mode"] == "fpdt" else None,
         offload=point["offload"],
         activation_checkpointing=point["ckpt"],
@@ -162,6 +179,7 @@ def plan(args: argparse.Namespace, point: dict[str, Any]) -> Any:
         seq_len=point["N"],
         sequence_parallel_size=point["P"] // point["tp"],
         tensor_parallel_size=point["tp"],
+        ring_size=point["ring"],
         mode=point["mode"],
         fpdt_chunk_size=args.chunk_size if point["mode"] == "fpdt" else None,
         offload=point["offload"],
@@ -205,8 +223,10 @@ def run_point(args: argparse.Namespace, point: dict[str, Any]) -> dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--points", nargs="+", type=parse_point, default=None,
-                   help=f"N:P:ulysses|fpdt[:offload][:ckpt][:aoff][:fsdp][:coff][:mp][:tpT] (default: {' '.join(DEFAULT_POINTS)})")  # fmt: skip
+                   help=f"N:P:ulysses|fpdt[:offload][:ckpt][:aoff][:fsdp][:coff][:mp][:tpT][:ringR] (default: {' '.join(DEFAULT_POINTS)})")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help=f"toy run: {' '.join(SMOKE_POINTS)}, chunk 256")
+    p.add_argument("--ring", action="store_true",
+                   help=f"the ring's binding points: {' '.join(RING_POINTS)} at --vocab 512 --intermediate 128")  # fmt: skip
     p.add_argument(
         "--chunk-size", type=int, default=1024, help="FPDT tokens per chunk per rank (default: 1024)"
     )
@@ -223,18 +243,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.points, args.chunk_size = [parse_point(x) for x in SMOKE_POINTS], 256
+    if args.ring:
+        args.points, args.vocab, args.intermediate = [parse_point(x) for x in RING_POINTS], 512, 128
     points = args.points or [parse_point(x) for x in DEFAULT_POINTS]
     common.use_malloc_threshold(args.malloc_mmap_threshold)
     args.points = [":".join(map(str, (q["N"], q["P"], q["mode"]))) + (":offload" if q["offload"] else "")
                    + (":aoff" if q["aoff"] else ":ckpt" if q["ckpt"] else "")
                    + (":coff" if q["coff"] else ":fsdp" if q["fsdp"] and not q["mp"] else "")
-                   + (":mp" if q["mp"] else "") + (f":tp{q['tp']}" if q["tp"] > 1 else "") for q in points]  # fmt: skip
+                   + (":mp" if q["mp"] else "") + (f":tp{q['tp']}" if q["tp"] > 1 else "")
+                   + (f":ring{q['ring']}" if q["ring"] > 1 else "") for q in points]  # fmt: skip
 
     rows = []
     for point in points:
         row = run_point(args, point)
         rows.append(row)
         tp = f" tp {point['tp']}" if point["tp"] > 1 else ""
+        tp += f" ring {point['ring']}" if point["ring"] > 1 else ""
         where = (f"N={point['N']:>6} P={point['P']} {point['mode']:>7}{' offload' * point['offload']}"
                  f"{' ckpt' * point['ckpt']}{' act-offload' * point['aoff']}{' fsdp' * point['fsdp']}"
                  f"{' cpu_offload' * point['coff']}{' mp' * point['mp']}{tp}")  # fmt: skip
@@ -249,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = [{**r, **{k: "on" if r[k] else "off" for k in ("offload", "ckpt", "aoff", "coff", "mp")},
               "dp": "FSDP" if r["fsdp"] else "DDP"} for r in rows]  # fmt: skip
     columns = [("N", "N", ""), ("P", "P", ""), ("mode", "mode", ""), ("offload", "offload", ""), ("ckpt", "ckpt", ""),
-               ("aoff", "act. offload", ""), ("dp", "dp", ""), ("tp", "tp", ""), ("coff", "cpu_offload", ""), ("mp", "MP policy", ""), ("planned_step_mib", "planned step MiB", ".1f"), ("measured_step_mib", "measured step MiB", ".1f"),
+               ("aoff", "act. offload", ""), ("dp", "dp", ""), ("tp", "tp", ""), ("ring", "ring", ""), ("coff", "cpu_offload", ""), ("mp", "MP policy", ""), ("planned_step_mib", "planned step MiB", ".1f"), ("measured_step_mib", "measured step MiB", ".1f"),
                ("step_error_pct", "error %", "+.1f"), ("planned_total_mib", "planned total MiB", ".1f"),
                ("measured_total_mib", "measured total MiB", ".1f"), ("total_error_pct", "total error %", "+.1f"),
                ("peak_phase", "planned peak", ""), ("status", "status", "")]  # fmt: skip

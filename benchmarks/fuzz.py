@@ -1,6 +1,8 @@
 """Long randomized differential searches: the strategies of ``tests/test_fuzz.py``, many more trials.
 
     python benchmarks/fuzz.py --trials 2000 --seed 1                 # the attention core
+    python benchmarks/fuzz.py --trials 300 --worlds 2 4 --seed 5     # only these world sizes (the ring drawn)
+    python benchmarks/fuzz.py --trials 300 --worlds 2 4 --ring-only  # Ulysses x ring alone (ring_size > 1)
     python benchmarks/fuzz.py --target strategy --trials 50 --seed 1  # one Trainer step per trial
     python benchmarks/fuzz.py --target strategy --archs qwen3_5_text,mamba2 --trials 20   # only these models
 
@@ -28,20 +30,31 @@ sys.path.insert(0, str(HERE))
 from common import environment, format_table, write_json  # noqa: E402
 
 
-def _targets(archs: list[str] | None = None) -> dict:
+def _targets(
+    archs: list[str] | None = None, worlds: list[int] | None = None, ring_only: bool = False
+) -> dict:
     """name -> (strategy of cases, the per-rank runner, tolerance, timeout per trial in s); ``archs``: the
-    strategy target draws only these architectures."""
+    strategy target draws only these architectures; ``worlds``: the attention target only these world sizes,
+    ``ring_only``: only Ulysses x ring (``ring_size > 1``)."""
     import fuzz_attention as attn
     import fuzz_strategy as strat
 
+    worlds = [w for w in worlds or [1, 2, 4] if w > 1 or not ring_only]  # a ring needs two ranks
+    attn_cases = attn.attention_cases(tuple(worlds), ring_only=ring_only)
     return {
-        "attention": (attn.attention_cases(), attn.run_attention, attn.TOLERANCE, attn.TIMEOUT_S),
+        "attention": (attn_cases, attn.run_attention, attn.TOLERANCE, attn.TIMEOUT_S),
         "strategy": (strat.strategy_cases(archs), strat.run_strategy, strat.TOLERANCE, strat.TIMEOUT_S),
     }
 
 
 def search(
-    target: str, trials: int, seed: int, quiet: bool = False, archs: list[str] | None = None
+    target: str,
+    trials: int,
+    seed: int,
+    quiet: bool = False,
+    archs: list[str] | None = None,
+    worlds: list[int] | None = None,
+    ring_only: bool = False,
 ) -> list[dict]:
     """Run ``trials`` drawn cases (hypothesis, seeded, no shrinking, no database); one row per trial."""
     from fuzz_common import run_verdict
@@ -50,7 +63,7 @@ def search(
 
     from helpers.launch import WarmPools
 
-    cases, runner, tolerance, timeout = _targets(archs)[target]
+    cases, runner, tolerance, timeout = _targets(archs, worlds, ring_only)[target]
     pool_of = WarmPools()
     rows: list[dict] = []
 
@@ -72,25 +85,37 @@ def search(
     return rows
 
 
-COLUMNS = [("mode", "mode", ""), ("world", "world", ""), ("sp", "sp", ""), ("ring", "ring", ""), ("tp", "tp", ""),
-           ("trials", "trials", ""), ("exact", "exact", ""), ("refused", "refused", ""),
-           ("failing", "failing", "")]  # fmt: skip
+COLUMNS = [("mode", "mode", ""), ("world", "world", ""), ("sp", "sp", ""), ("ring", "ring", ""),
+           ("layout", "layout", ""), ("tp", "tp", ""), ("trials", "trials", ""), ("exact", "exact", ""),
+           ("refused", "refused", ""), ("failing", "failing", ""), ("worst", "worst exact error", ".1e")]  # fmt: skip
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Verdict counts per (mode, world size, sequence-parallel size: the world for the attention core, its
-    ring degree, tensor-parallel size)."""
+    """Verdict counts and the worst error of an exact trial per (mode, world size, sequence-parallel size: the
+    world for the attention core, its ring degree, the ring's layout, tensor-parallel size)."""
     counts: dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
+    worst: dict[tuple, float | None] = {}
     for r in rows:
         c = r["case"]
+        ring = getattr(c, "ring_size", 1)
+        layout = getattr(c, "ring_kind", "zigzag") if ring > 1 else "-"  # the strategy: zigzag
         key = (
-            c.mode, c.world, getattr(c, "sp", c.world), getattr(c, "ring_size", 1), getattr(c, "tensor_parallel_size", 1)
-        )  # fmt: skip
+            c.mode,
+            c.world,
+            getattr(c, "sp", c.world),
+            ring,
+            layout,
+            getattr(c, "tensor_parallel_size", 1),
+        )
         counts[key][r["verdict"].kind] += 1
+        worst.setdefault(key, None)
+        if r["verdict"].kind == "exact":
+            worst[key] = max(worst[key] or 0.0, r["verdict"].error or 0.0)
     return [
-        {"mode": mode, "world": world, "sp": sp, "ring": ring, "tp": tp, "trials": sum(cnt.values()),
-         **{k: cnt[k] for k in ("exact", "refused", "failing")}}
-        for (mode, world, sp, ring, tp), cnt in sorted(counts.items())
+        {"mode": mode, "world": world, "sp": sp, "ring": ring, "layout": layout, "tp": tp,
+         "trials": sum(cnt.values()), **{k: cnt[k] for k in ("exact", "refused", "failing")},
+         "worst": worst[mode, world, sp, ring, layout, tp]}
+        for (mode, world, sp, ring, layout, tp), cnt in sorted(counts.items())
     ]  # fmt: skip
 
 
@@ -103,17 +128,29 @@ def main(argv: list[str] | None = None) -> int:
         "--archs", default=None, help="strategy target: draw only these sweep architectures (a,b,...)"
     )
     p.add_argument(
+        "--worlds", type=int, nargs="+", default=None, help="attention target: draw only these world sizes"
+    )
+    p.add_argument(
+        "--ring-only", action="store_true", help="attention target: only Ulysses x ring (ring_size > 1)"
+    )
+    p.add_argument(
         "--out", type=Path, default=None, help="JSON (default benchmarks/results/fuzz_<target>.json)"
     )
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     start = time.perf_counter()
-    rows = search(args.target, args.trials, args.seed, archs=args.archs.split(",") if args.archs else None)
+    archs = args.archs.split(",") if args.archs else None
+    rows = search(
+        args.target, args.trials, args.seed, archs=archs, worlds=args.worlds, ring_only=args.ring_only
+    )
     wall = time.perf_counter() - start
     table = summarize(rows)
     print(format_table(table, COLUMNS))
     worst = max((r["verdict"].error or 0.0 for r in rows if r["verdict"].kind == "exact"), default=0.0)
     print(f"{len(rows)} trials in {wall:.0f} s; worst relative error of an exact trial {worst:.2e}")
+    if args.target == "attention":
+        rings = sum(1 for r in rows if r["case"].ring_size > 1)
+        print(f"Ulysses x ring (ring_size > 1, usp_attention) drawn in {rings} of {len(rows)} trials")
     refusals = collections.Counter(
         r["verdict"].detail.split(";")[0][:120] for r in rows if r["verdict"].kind == "refused"
     )
@@ -135,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or HERE / "results" / f"fuzz_{args.target}.json"
     seconds = [r["seconds"] for r in rows]
     write_json(out, {
-        "target": args.target, "trials": len(rows), "seed": args.seed, "wall_s": wall,
+        "target": args.target, "trials": len(rows), "seed": args.seed, "worlds": args.worlds,
+        "ring_only": args.ring_only, "wall_s": wall,
         "environment": environment(), "summary": table, "worst_exact_error": worst,
         "seconds_per_trial": {"mean": sum(seconds) / max(len(seconds), 1), "max": max(seconds, default=0.0)},
         "refusals": dict(refusals.most_common()),

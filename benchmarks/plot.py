@@ -13,6 +13,7 @@ the scripts that write a PNG beside their JSON (``bench_memory.py``, ``bench_soa
 | soak                 | bench_soak.py                     | soak.png                                 |
 | gpu_mfu              | gpu/longctx.py mfu (check.sh)     | gpu_mfu.png                              |
 | checkpoint           | bench_checkpoint.py               | checkpoint.png                           |
+| ring                 | bench_ring.py                     | ring.png                                 |
 
 Files of another kind, unreadable files and missing ones are skipped with a note; a plot that fails
 prints why and the others are still written. Every figure's footer says the date, machine and command
@@ -250,6 +251,34 @@ def plot_checkpoint(data: dict[str, Any]) -> Any:
     return fig
 
 
+def plot_ring(data: dict[str, Any]) -> Any:
+    """Ulysses x ring: fwd+bwd ms and the bytes one rank sends (all-to-all, ring, total) against the ring degree
+    r, one colour per P (r = 1: Ulysses alone, r = P: a pure ring)."""
+    rows = data["rows"]
+    fig, (ax_t, ax_b) = _figure(2)
+    for i, world in enumerate(sorted({r["P"] for r in rows})):
+        rs = sorted((r for r in rows if r["P"] == world), key=lambda r: r["ring"])
+        rings, color = [r["ring"] for r in rs], f"C{i}"
+        ax_t.plot(rings, [r["ms"] for r in rs], "-o", color=color, label=f"P={world}")
+        ax_b.plot(
+            rings, [r["a2a_mib"] + r["ring_mib"] for r in rs], "-o", color=color, label=f"total, P={world}"
+        )
+        ax_b.plot(
+            rings, [r["a2a_mib"] for r in rs], "--s", color=color, alpha=0.6, label=f"all-to-all, P={world}"
+        )
+        ax_b.plot(rings, [r["ring_mib"] for r in rs], ":^", color=color, alpha=0.6, label=f"ring, P={world}")
+    cfg = data.get("config", {})
+    shape = f"N={cfg.get('seq_len')} b={cfg.get('batch', 1)} h={cfg.get('heads')} d={cfg.get('head_dim')}"
+    _log2_axes(ax_t, "ring degree r (Ulysses U = P / r)", "ms (slowest rank)",
+               f"one causal attention layer fwd+bwd, median ({shape})", logy=False, legend="x-small")  # fmt: skip
+    _log2_axes(ax_b, "ring degree r (Ulysses U = P / r)", "MiB sent per rank (max over ranks)",
+               "bytes per rank, forward + backward (= formula)", logy=False, legend="x-small")  # fmt: skip
+    rings = sorted({r["ring"] for r in rows})
+    for ax in (ax_t, ax_b):
+        ax.set_xticks(rings, [str(r) for r in rings])
+    return fig
+
+
 PLOTS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "checkpoint": plot_checkpoint,
     "ulysses_attention": plot_ulysses,
@@ -258,6 +287,7 @@ PLOTS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "memory": plot_memory,
     "soak": plot_soak,
     "gpu_mfu": plot_gpu_mfu,
+    "ring": plot_ring,
 }
 
 

@@ -9,11 +9,13 @@ Layouts: ``bshd`` = (batch, seq, heads, head_dim). ``P`` = size of the sequence-
 * ``seq_to_head_async`` / ``head_to_seq_async``: the no-grad ones started in the background
   (``async_op=True``), returning a :class:`PendingAllToAll` whose ``wait()`` gives the result (FPDT's
   overlap of communication with compute).
-* ``halo_exchange(tails)``: each segment receives the tail of the segment before it in global order
-  (a causal convolution's k-1 inputs from the previous rank); its backward sends the gradient back.
-* ``exclusive_affine_scan(M, B, apply)``: the entry state of every segment of a recurrence that is affine
-  in its state, ``S_out = M S_in + B``, from one all-gather of the per-segment summaries; its backward is
-  one all-gather of the entry-state gradients (hybrid mixers: gated DeltaNet, Mamba, ...).
+* ``halo_exchange(tails, order=...)``: each segment receives the tail of the segment before it in global order
+  (a causal convolution's k-1 inputs), wherever that segment lives (``order``: the layout's global segment
+  ids, :data:`SegmentOrder`); its backward sends the gradient back.
+* ``exclusive_affine_scan(M, B, apply, order=...)``: the entry state of every segment of a recurrence that is
+  affine in its state, ``S_out = M S_in + B``, from one all-gather of the per-segment summaries folded in
+  global segment order; its backward is one all-gather of the entry-state gradients (hybrid mixers: gated
+  DeltaNet, Mamba, ...).
 * the reductions of the loss and of tensor parallelism: ``all_reduce_sum_identity_grad`` (a loss all ranks
   hold), ``all_reduce_no_grad`` / ``all_reduce_`` (a copy / in place, e.g. the vocabulary-parallel hidden
   gradient), ``all_gather_no_grad``, ``all_gather_object``.
@@ -30,6 +32,7 @@ the first ``h % P`` ranks own one head more (``all_to_all_single`` with uneven s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -497,9 +500,89 @@ def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
 # Hybrid mixers: halo exchange and exclusive affine scan
 #
 # A "segment" is a run of consecutive global tokens held by one rank: the whole local shard in the
-# contiguous (Ulysses) layout (u = 1), each of the u local chunks in the FPDT layout, where rank r holds
-# global chunks r, r+P, r+2P, ... Global segment order is g = i*P + r for local segment i of rank r.
+# contiguous (Ulysses) layout (u = 1), each of the u local chunks in the FPDT layout, each half of the shard
+# under Ulysses x ring (zigzag). Segments are numbered in global order (segment g holds the tokens before
+# segment g+1); ``order[r][i]`` is the global id of local segment i of rank r, the same table on every rank
+# (:data:`SegmentOrder`). The contiguous and FPDT layouts have the strided order g = i*P + r
+# (:func:`strided_order`), the default; any permutation is exact (the ring's zigzag puts a segment's
+# predecessor on another rank, the same rank, or nowhere).
 # ---------------------------------------------------------------------------------------------------
+
+#: ``order[r][i]``: the global segment id of rank r's local segment i; P rows of u ids, a permutation of
+#: ``range(P * u)``, the same on every rank.
+SegmentOrder = tuple[tuple[int, ...], ...]
+
+
+def strided_order(world: int, u: int) -> SegmentOrder:
+    """The contiguous (u = 1) and FPDT layouts' order: rank r's local segment i is global segment ``i*P + r``."""
+    return tuple(tuple(i * world + r for i in range(u)) for r in range(world))
+
+
+@dataclass(frozen=True)
+class _SegmentPlan:
+    """One rank's part in the halo exchange and the scan of a segment order (:func:`_segment_plan`).
+
+    Local segment indices throughout. ``mine``: my segments' global ids; ``gathered``: for each global id g,
+    its row ``r*u + i`` in the all-gathered summaries; ``local_dst``/``local_src``: halo ``dst`` comes from
+    my own segment ``src`` (its predecessor); ``recv[s]``: my segments whose predecessor rank s holds,
+    ``send[d]``: my segments whose successor rank d holds (``s, d`` != me), both ascending in global id, so
+    that a sender's list and its receiver's match; ``remote``: some rank sends to another one (the same
+    answer on every rank: no rank skips a collective the others run); ``strided``: :func:`strided_order`."""
+
+    mine: tuple[int, ...]
+    gathered: tuple[int, ...]
+    local_dst: tuple[int, ...]
+    local_src: tuple[int, ...]
+    recv: tuple[tuple[int, ...], ...]
+    send: tuple[tuple[int, ...], ...]
+    remote: bool
+    strided: bool
+
+
+def _as_order(order: Any, world: int, u: int) -> SegmentOrder:
+    """``order`` (None: strided; a (P, u) int tensor or nested sequence) as a :data:`SegmentOrder`."""
+    if order is None:
+        return strided_order(world, u)
+    rows = order.tolist() if isinstance(order, torch.Tensor) else order
+    return tuple(tuple(int(g) for g in row) for row in rows)
+
+
+@functools.lru_cache(maxsize=256)
+def _segment_plan(order: SegmentOrder, rank: int, world: int) -> _SegmentPlan:
+    u = len(order[0]) if order else 0
+    if len(order) != world or any(len(row) != u for row in order):
+        raise ValueError(
+            f"segment order {order}: expected {world} rows (one per rank of the group) of the same length"
+        )
+    flat = [g for row in order for g in row]
+    if sorted(flat) != list(range(world * u)):
+        raise ValueError(f"segment order {order} is not a permutation of the {world * u} global segments")
+    owner = {g: (r, i) for r, row in enumerate(order) for i, g in enumerate(row)}
+    mine = order[rank]
+    local_dst, local_src = [], []
+    recv: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    send: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    for i, g in enumerate(mine):
+        if g > 0:  # the predecessor's tails come here
+            s, k = owner[g - 1]
+            if s == rank:
+                local_dst.append(i)
+                local_src.append(k)
+            else:
+                recv[s].append((g, i))
+        if g + 1 < world * u and (d := owner[g + 1][0]) != rank:  # my tails go to the successor
+            send[d].append((g, i))
+    remote = any(owner[g][0] != owner[g - 1][0] for g in range(1, world * u))
+    return _SegmentPlan(
+        mine=mine,
+        gathered=tuple(r * u + i for r, i in (owner[g] for g in range(world * u))),
+        local_dst=tuple(local_dst),
+        local_src=tuple(local_src),
+        recv=tuple(tuple(i for _, i in sorted(x)) for x in recv),
+        send=tuple(tuple(i for _, i in sorted(x)) for x in send),
+        remote=remote,
+        strided=order == strided_order(world, u),
+    )
 
 
 def _count_exchange(sent: int) -> None:
@@ -527,37 +610,74 @@ def _ring_shift(x: torch.Tensor, group: Group, forward: bool) -> torch.Tensor:
     return out
 
 
+def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _permuted_shift(x: torch.Tensor, group: Group, plan: _SegmentPlan, reverse: bool) -> torch.Tensor:
+    """Each local segment's row of ``x`` ``(u, ...)`` moved to its successor's slot (``reverse``: to its
+    predecessor's, the gradient's way), wherever that segment lives; zeros where none arrives. Pairs on this
+    rank are a local copy; the others travel in one ``all_to_all_single`` with per-rank splits (every rank
+    calls it while any rank sends)."""
+    send, recv = (plan.recv, plan.send) if reverse else (plan.send, plan.recv)
+    dst, src = (plan.local_src, plan.local_dst) if reverse else (plan.local_dst, plan.local_src)
+    x = x.contiguous()
+    out = torch.zeros_like(x)
+    if dst:
+        out[_index(dst, x.device)] = x[_index(src, x.device)]
+    if not plan.remote:
+        return out
+    per = x[0].numel()
+    sent = [i for rows in send for i in rows]
+    got = [i for rows in recv for i in rows]
+    buf = x[_index(sent, x.device)].reshape(-1)  # empty on a rank that sends nothing (gloo takes it)
+    into = x.new_empty(len(got) * per)
+    dist.all_to_all_single(
+        into, buf, [len(rows) * per for rows in recv], [len(rows) * per for rows in send], group=group
+    )
+    out[_index(got, x.device)] = into.view(len(got), *x.shape[1:])
+    _count_exchange(len(sent) * per * x.element_size())
+    return out
+
+
 class _HaloExchange(SequenceParallelFunction):
     @staticmethod
-    def forward(ctx: Any, tails: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, tails: torch.Tensor, group: Group, plan: _SegmentPlan) -> torch.Tensor:
+        ctx.group, ctx.plan = group, plan
+        if not plan.strided:
+            return _permuted_shift(tails, group, plan, reverse=False)
         received = _ring_shift(tails, group, forward=True)  # rank r holds rank r-1's tails
         if group_rank_size(group)[0] == 0:  # rank 0's segment i follows rank P-1's segment i-1
             received = torch.cat([torch.zeros_like(received[:1]), received[:-1]])
         return received
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if not ctx.plan.strided:
+            return _permuted_shift(grad, ctx.group, ctx.plan, reverse=True), None, None
         grad = grad.contiguous()
         if group_rank_size(ctx.group)[0] == 0:  # undo the shift: halo i came from segment i-1
             grad = torch.cat([grad[1:], torch.zeros_like(grad[:1])])
-        return _ring_shift(grad, ctx.group, forward=False), None
+        return _ring_shift(grad, ctx.group, forward=False), None, None
 
 
-def halo_exchange(tails: torch.Tensor, group: Group = None) -> torch.Tensor:
+def halo_exchange(tails: torch.Tensor, group: Group = None, order: Any = None) -> torch.Tensor:
     """The tail of the previous segment in global order, for each of this rank's segments.
 
     ``tails``: ``(u, ...)``, the last ``k-1`` positions of each of this rank's ``u`` local segments (any
-    trailing layout). Returns ``(u, ...)``: for local segment i of rank r, the tails of segment i of rank
-    r-1; on rank 0, of segment i-1 of rank P-1, zeros for segment 0 (the sequence start). Backward: the
-    gradient goes back to the rank whose tails they were. Bytes per rank: ``tails.numel() * elt`` each way.
-    Every rank of ``group`` must call it (one collective forward, one backward)."""
-    return _HaloExchange.apply(tails, group)
+    trailing layout, the same on every rank). ``order``: the :data:`SegmentOrder` of the layout (a (P, u) table
+    of global segment ids, the same on every rank; ``None``: :func:`strided_order`). Returns ``(u, ...)``: for
+    the local segment with global id g, the tails of segment g-1 wherever it lives, zeros for g = 0 (the
+    sequence start). Backward: the gradient goes back to the segment whose tails they were.
 
-
-def _global_order(x: torch.Tensor, world: int) -> torch.Tensor:
-    """``(P, u, ...)`` gathered per rank -> ``(u*P, ...)`` in global segment order g = i*P + r."""
-    return x.transpose(0, 1).flatten(0, 1)
+    Bytes per rank, each way: strided order (contiguous, FPDT), one shift around the ring, ``tails.numel() *
+    elt``; any other order, ``n * tails[0].numel() * elt``, with n the local segments whose successor (forward)
+    or predecessor (backward) lives on another rank (a neighbour on this rank is a local copy), in one
+    ``all_to_all_single`` with per-rank splits. Every rank of ``group`` must call it (one collective forward,
+    one backward)."""
+    rank, world = group_rank_size(group)
+    plan = _segment_plan(_as_order(order, world, tails.shape[0]), rank, world)
+    return _HaloExchange.apply(tails, group, plan)
 
 
 def _fold(
@@ -570,36 +690,41 @@ def _fold(
     return torch.stack(states)
 
 
-def _gather_segments(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _gather_segments(x: torch.Tensor, group: Group, plan: _SegmentPlan) -> torch.Tensor:
+    """``x`` ``(u, ...)`` of every rank -> ``(P*u, ...)`` in global segment order."""
     _, world = group_rank_size(group)
     x = x.contiguous()
-    if world == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x, group=group)
-    _count_exchange((world - 1) * x.numel() * x.element_size())
-    return _global_order(torch.stack(parts), world)
+    if world > 1:
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x, group=group)
+        _count_exchange((world - 1) * x.numel() * x.element_size())
+        x = torch.cat(parts)  # (P*u, ...): row r*u + i is rank r's segment i
+    return x[_index(plan.gathered, x.device)]
 
 
 class _ExclusiveAffineScan(SequenceParallelFunction):
     @staticmethod
     def forward(
-        ctx: Any, M: torch.Tensor, B: torch.Tensor, apply: Callable[..., torch.Tensor], group: Group
+        ctx: Any,
+        M: torch.Tensor,
+        B: torch.Tensor,
+        apply: Callable[..., torch.Tensor],
+        group: Group,
+        plan: _SegmentPlan,
     ) -> torch.Tensor:
-        rank, world = group_rank_size(group)
         u = B.shape[0]
         # one all-gather of [M | B] (flat), not two: the summaries are small, the latency is not
-        flat = _gather_segments(torch.cat([M.reshape(u, -1), B.reshape(u, -1)], dim=1), group)
+        flat = _gather_segments(torch.cat([M.reshape(u, -1), B.reshape(u, -1)], dim=1), group, plan)
         Ms = flat[:, : M[0].numel()].reshape(-1, *M.shape[1:])
         Bs = flat[:, M[0].numel() :].reshape(-1, *B.shape[1:])
-        ctx.combine, ctx.group, ctx.rank, ctx.world = apply, group, rank, world
+        ctx.combine, ctx.group, ctx.plan = apply, group, plan
         ctx.save_for_backward(Ms, Bs)
-        return _fold(Ms, Bs, apply)[rank::world].clone()  # this rank's segments: g = i*P + rank
+        return _fold(Ms, Bs, apply)[_index(plan.mine, B.device)]  # this rank's segments
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
         Ms, Bs = ctx.saved_tensors
-        grads = _gather_segments(grad, ctx.group)  # every rank's entry-state gradient, global order
+        grads = _gather_segments(grad, ctx.group, ctx.plan)  # every segment's S_in gradient, global order
         dM, dB = None, None
         with torch.enable_grad():  # the fold is tiny (u*P small states): differentiate it again locally
             Ms, Bs = Ms.detach().requires_grad_(), Bs.detach().requires_grad_()
@@ -608,7 +733,8 @@ class _ExclusiveAffineScan(SequenceParallelFunction):
                 dM, dB = torch.autograd.grad(states, (Ms, Bs), grads, allow_unused=True)
         dM = torch.zeros_like(Ms) if dM is None else dM
         dB = torch.zeros_like(Bs) if dB is None else dB
-        return dM[ctx.rank :: ctx.world], dB[ctx.rank :: ctx.world], None, None
+        mine = _index(ctx.plan.mine, grad.device)
+        return dM[mine], dB[mine], None, None, None
 
 
 def exclusive_affine_scan(
@@ -616,17 +742,22 @@ def exclusive_affine_scan(
     B: torch.Tensor,
     apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     group: Group = None,
+    order: Any = None,
 ) -> torch.Tensor:
     """Entry states of this rank's segments of a recurrence affine in its state.
 
     ``M`` ``(u, ...)`` and ``B`` ``(u, *state)``: each local segment's summary from a zero entry state,
     ``S_out = apply(M, S_in) + B`` (``apply``: the matrix product for gated DeltaNet's dense ``M``, a
-    broadcast product for Mamba's diagonal or scalar one). Returns ``(u, *state)``: ``S_in`` of each local
-    segment, the exclusive fold over all earlier segments in global order (zeros for the first). One
-    all-gather of ``[M | B]`` forward, one of the ``S_in`` gradients backward, then a local fold of
-    ``u*P`` small states; every rank of ``group`` must call it, rank 0 too, whose first entry state is
-    zero (a rank that skipped the backward collective would hang the others)."""
-    return _ExclusiveAffineScan.apply(M, B, apply, group)
+    broadcast product for Mamba's diagonal or scalar one). ``order``: the :data:`SegmentOrder` of the layout
+    (``None``: :func:`strided_order`). Returns ``(u, *state)``: ``S_in`` of each local segment, the exclusive
+    fold over all earlier segments in global order (zeros for the first). One all-gather of ``[M | B]``
+    forward (``(P-1) * (M + B).numel() * elt`` bytes per rank, whatever the order), one of the ``S_in``
+    gradients backward, then a local fold of ``u*P`` small states in global order; every rank of ``group``
+    must call it, the one holding the first segment too, whose entry state is zero (a rank that skipped the
+    backward collective would hang the others)."""
+    rank, world = group_rank_size(group)
+    plan = _segment_plan(_as_order(order, world, B.shape[0]), rank, world)
+    return _ExclusiveAffineScan.apply(M, B, apply, group, plan)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -43,6 +43,16 @@ DEFAULT_FPDT_CHUNK_SIZE = 4096
 SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
+def auto_ring_size(sp: int, heads: int) -> int:
+    """``ring_size="auto"``: 1 while the Ulysses degree fits the heads (``sp <= heads``), else the smallest
+    divisor r of ``sp`` with ``sp / r <= heads``; ``heads`` are the query heads each tensor-parallel rank
+    holds (``num_attention_heads / tensor_parallel_size``). The all-to-all then keeps every rank busy and
+    the ring is as short as the heads allow (its passes are the slower, cross-node links)."""
+    if sp < 1 or heads < 1:
+        raise ValueError(f"auto_ring_size needs sp >= 1 and heads >= 1, got sp={sp}, heads={heads}")
+    return next(r for r in range(1, sp + 1) if sp % r == 0 and sp // r <= heads)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SequenceParallelConfig:
     """The sequence-parallel settings, validated once. They are written only here: the fields are the
@@ -95,9 +105,11 @@ class SequenceParallelConfig:
             ``sequence_parallel_size / ring_size`` Ulysses ranks; the all-to-all runs inside each Ulysses group
             (adjacent ranks) and ring attention passes key/value blocks between the groups, so only the
             Ulysses degree must fit the heads. Tokens are laid out zigzag over the ring (equal causal work).
-            ``1`` (default): Ulysses alone. Ulysses mode only (``fpdt_chunk_size=None``), an
-            ``attention_backend`` of FPDT's block kernels (``"auto"``, ``"fused"``, ``"math"``), models whose
-            every token mixer is attention.
+            ``1`` (default): Ulysses alone. ``"auto"``: 1 while ``sequence_parallel_size`` fits the query heads
+            per tensor-parallel rank, else the smallest ring that makes the Ulysses degree fit them
+            (``auto_ring_size``; read from the model's config when the strategy sets up). Both modes: with
+            ``fpdt_chunk_size`` FPDT's chunks run inside each ring rank (``attention/fpdt_ring.py``). Needs an
+            ``attention_backend`` of FPDT's block kernels (``"auto"``, ``"fused"``, ``"math"``).
     """
 
     sequence_parallel_size: int | Literal["auto"] = "auto"
@@ -117,7 +129,7 @@ class SequenceParallelConfig:
     loss_normalization: Literal["tokens", "micro_batch"] = "tokens"
     checkpoint_format: Literal["sharded", "full"] = "sharded"
     async_save: bool = False
-    ring_size: int = 1
+    ring_size: int | Literal["auto"] = 1
 
     def __post_init__(self) -> None:
         sp = self.sequence_parallel_size
@@ -126,18 +138,13 @@ class SequenceParallelConfig:
                 f"sequence_parallel_size={sp!r}: use 'auto' (all devices of a node) or a positive int"
             )
         ring = self.ring_size
-        if isinstance(ring, bool) or not isinstance(ring, int) or ring < 1:
-            raise ValueError(f"ring_size={ring!r}: use a positive int (1: Ulysses alone)")
-        if ring > 1 and self.attention_backend not in FPDT_BACKENDS:
+        if ring != "auto" and (isinstance(ring, bool) or not isinstance(ring, int) or ring < 1):
             raise ValueError(
-                f"ring_size={ring} with attention_backend={self.attention_backend!r}: ring attention runs FPDT's "
-                f"block kernels (they return the log-sum-exp the ring merges); use one of {list(FPDT_BACKENDS)}"
+                f"ring_size={ring!r}: use a positive int (1: Ulysses alone) or 'auto' (a ring only where the "
+                "heads are fewer than the sequence-parallel ranks)"
             )
-        if ring > 1 and self.fpdt_chunk_size is not None:
-            raise ValueError(
-                f"ring_size={ring} with fpdt_chunk_size={self.fpdt_chunk_size}: FPDT's chunking does not compose "
-                "with the ring yet; use fpdt_chunk_size=None (Ulysses x ring) or ring_size=1"
-            )
+        if ring != "auto":
+            self._check_ring(ring)
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size={tp!r}: use a positive int (1: no tensor parallelism)")
@@ -186,19 +193,41 @@ class SequenceParallelConfig:
                 "optimizer states move to the host only when FSDP2 shards them; set data_parallel='fsdp'"
             )
 
+    def _check_ring(self, ring: int) -> None:
+        """The settings a ring of ``ring`` ranks cannot run with (at construction, or where ``"auto"`` resolves)."""
+        if ring > 1 and self.attention_backend not in FPDT_BACKENDS:
+            raise ValueError(
+                f"ring_size={ring} with attention_backend={self.attention_backend!r}: ring attention runs FPDT's "
+                f"block kernels (they return the log-sum-exp the ring merges); use one of {list(FPDT_BACKENDS)}"
+            )
+
     @property
     def mode(self) -> Mode:
         return Mode.ULYSSES if self.fpdt_chunk_size is None else Mode.FPDT
 
-    def resolve(self, world_size: int, devices_per_node: int, device_type: str) -> ResolvedConfig:
+    def resolve(
+        self, world_size: int, devices_per_node: int, device_type: str, heads: int | None = None
+    ) -> ResolvedConfig:
         """What these settings mean on ``world_size`` ranks with ``devices_per_node`` devices per node (0:
         unknown) of ``device_type``: ``"auto"`` settled, the dp x sp layout built and checked. Every consumer
-        (the strategy, the model patching, the planner, the CLI) takes the result, so nothing is resolved twice."""
+        (the strategy, the model patching, the planner, the CLI) takes the result, so nothing is resolved twice.
+        ``heads``: the model's query heads (all of them, before tensor parallelism), needed by
+        ``ring_size="auto"`` only."""
         sp, tp = self.sequence_parallel_size, self.tensor_parallel_size
         if sp == "auto":
             sp = max(1, (devices_per_node or world_size) // tp)
+        ring = self.ring_size
+        if ring == "auto":
+            if heads is None:
+                raise ValueError(
+                    "ring_size='auto' needs the model's number of attention heads when the strategy sets up, and "
+                    "no transformers config was found in the LightningModule (build the model in __init__, not in "
+                    "configure_model), or pass ring_size as an int (1: Ulysses alone)"
+                )
+            ring = auto_ring_size(sp, max(1, heads // tp))
+            self._check_ring(ring)
         layout = ParallelLayout(
-            world_size=world_size, sp=sp, tp=tp, ring=self.ring_size, devices_per_node=devices_per_node
+            world_size=world_size, sp=sp, tp=tp, ring=ring, devices_per_node=devices_per_node
         )
         offload = (
             device_type == "cuda" and self.fpdt_chunk_size is not None
@@ -245,7 +274,7 @@ class ResolvedConfig:
 
     def chunk_for(self, seq_len: int) -> int | None:
         """Tokens per FPDT chunk per rank for a global sequence of ``seq_len`` tokens (``None``: Ulysses)."""
-        return chunk_for(seq_len, self.sp, self.settings.fpdt_chunk_size)
+        return chunk_for(seq_len, self.sp, self.settings.fpdt_chunk_size, self.layout.ring)
 
     def __str__(self) -> str:
         return f"{self.layout}, mode={self.mode}"

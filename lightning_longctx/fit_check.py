@@ -9,9 +9,9 @@ size such as ``"80GiB"`` or a device kind of ``planner/devices.py`` such as ``"h
 device memory to read, and in the tests). It plans what ``lightning-longctx plan`` plans for the same
 settings, through the same mapping (``planner.step_plan_kwargs``): the model's config and weights' dtype, the
 trainer's precision, the device type (a CPU run's reserve holds no CUDA context), the strategy's resolved
-settings (the dp x sp x tp mesh, DDP or FSDP, ``cpu_offload``, checkpointing and activation offload, FPDT
-chunking and offload), the module's own activation checkpointing, its optimizer and LoRA adapters, and the
-batch's length and micro batch.
+settings (the dp x sp x tp mesh, Ulysses x ring or FPDT x ring with its ``ring_size``, DDP or FSDP,
+``cpu_offload``, checkpointing and activation offload, FPDT chunking and offload), the module's own activation checkpointing, its
+optimizer and LoRA adapters, and the batch's length and micro batch.
 
 Decided here:
 
@@ -52,6 +52,7 @@ from lightning_longctx.planner import (
     plan_memory,
     step_plan_kwargs,
 )
+from lightning_longctx.planner.shapes import model_shape
 
 __all__ = [
     "WARN_MARGIN",
@@ -308,7 +309,9 @@ def _alternatives(inputs: _ModelInputs, parallel: ResolvedConfig, step: _Step) -
             continue
         try:
             settings = dataclasses.replace(parallel.settings, **changes)
-            resolved = settings.resolve(layout.world_size, layout.devices_per_node, step.device_type)
+            # ring_size="auto" settles again for the new sp, against the model's heads
+            heads = {"heads": model_shape(inputs.config).heads} if settings.ring_size == "auto" else {}
+            resolved = settings.resolve(layout.world_size, layout.devices_per_node, step.device_type, **heads)
             plan = plan_memory(
                 inputs.config, **_plan_kwargs(inputs, resolved, step), device_memory=step.capacity
             )

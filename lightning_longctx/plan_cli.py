@@ -5,6 +5,7 @@ Usage (the console script routes ``lightning-longctx plan ...`` here)::
     lightning-longctx plan --config examples/configs/llama3_8b_1m_fpdt_8gpu.yaml --device-memory 80GiB
     lightning-longctx plan --config examples/configs/llama3_8b_500k_1gpu.yaml --device-memory 80GiB --host-memory 1TB
     lightning-longctx plan --config my.yaml --seq-len 262144 --json
+    lightning-longctx plan --config my.yaml --ring-size auto        # Ulysses x ring: prints r and why
 
 Read from the YAML: ``model.init_args.model_config`` (or ``pretrained_path``, a local directory: only its
 ``config.json`` is read, so a folder holding just that file plans the model; ``--pretrained-path DIR`` reads it
@@ -15,6 +16,11 @@ from another folder, e.g. on a laptop without the weights),
 registered name such as ``ulysses_fpdt``); ``data.init_args.seq_len`` and ``batch_size``. The host's
 devices default to ``trainer.devices``; ``--host-memory`` is per host (node). ``accelerator: cpu`` plans a CPU
 run: no CUDA context in the device reserve.
+
+The strategy's ``ring_size`` (or ``--ring-size``, an int or ``auto``) is taken as given and settled by the
+planner against the model's heads per tensor-parallel rank (``config.auto_ring_size``); the plan prints the
+ring it runs and why (``planner.ring_choice``), and when the all-to-all has more ranks than heads, what
+``auto`` would pick.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from lightning_longctx.planner import (
     longest_sequence,
     parse_bytes,
     plan_memory,
+    ring_choice,
     step_plan_kwargs,
 )
 
@@ -92,11 +99,29 @@ def _pretrained_config(path: str, overrides: dict[str, Any] | None, given: bool)
         raise ValueError(missing + cache + fix) from None
 
 
+def ring_size_arg(text: str) -> int | str:
+    """``--ring-size``: a positive int or ``auto``."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use a positive int (1: Ulysses alone) or auto (the smallest r whose Ulysses degree fits "
+            "the heads per tensor-parallel rank)"
+        )
+    return int(text)
+
+
 def plan_kwargs_from_config(
-    config: dict[str, Any], *, seq_len: int | None = None, pretrained_path: str | None = None
+    config: dict[str, Any],
+    *,
+    seq_len: int | None = None,
+    pretrained_path: str | None = None,
+    ring_size: int | str | None = None,
 ) -> tuple[Any, dict[str, Any], list[str]]:
     """``(model config, plan_memory keyword arguments, notes)`` from a parsed LightningCLI config;
-    ``pretrained_path``: a folder to read the model's ``config.json`` from instead of the config's model."""
+    ``pretrained_path``: a folder to read the model's ``config.json`` from instead of the config's model;
+    ``ring_size``: instead of the strategy's (an int or ``"auto"``, settled by the planner against the model's
+    heads)."""
     trainer = config.get("trainer") or {}
     model_args = (config.get("model") or {}).get("init_args") or {}
     data_args = (config.get("data") or {}).get("init_args") or {}
@@ -121,6 +146,10 @@ def plan_kwargs_from_config(
     if note:
         notes.append(f"{note}: planned as DDP without sequence parallelism")
     fields = {f.name for f in dataclasses.fields(SequenceParallelConfig)}
+    # ring_size travels as given (an int or "auto") to the planner, which settles "auto" against the model's
+    # heads and validates r with the strategy's own rules (resolve_parallel)
+    ring = settings.get("ring_size", 1) if ring_size is None else ring_size
+    fields.discard("ring_size")
     given = SequenceParallelConfig(**{k: v for k, v in settings.items() if k in fields})
     device_type = "cpu" if str(trainer.get("accelerator", "auto")) == "cpu" else "cuda"
     cfg = given.resolve(world_size=world, devices_per_node=devices, device_type=device_type)
@@ -139,6 +168,7 @@ def plan_kwargs_from_config(
         activation_checkpointing=bool(model_args.get("activation_checkpointing")),  # CausalLM's own flag
         device_type=device_type,  # a CPU run's device reserve has no CUDA context
     )
+    kwargs["ring_size"] = ring
     lora = model_args.get("lora")  # CausalLM's peft LoRA: frozen base weights, rank-r adapters
     if lora:
         kwargs["lora_rank"] = int(lora.get("r", 8))  # peft's default rank
@@ -163,6 +193,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host-reserve", default=None, help="host bytes per rank outside the plan (default: 4 GiB, the process)")  # fmt: skip
     p.add_argument("--pretrained-path", default=None, help="a local folder with the model's config.json, read instead of the config's model (no weights needed: plan a pretrained_path that is not on this machine)")  # fmt: skip
     p.add_argument("--lora-rank", type=int, default=None, help="plan LoRA adapters of this rank on every linear layer of the blocks (frozen base weights)")  # fmt: skip
+    p.add_argument("--ring-size", type=ring_size_arg, default=None, help="Ulysses x ring: r ranks in the ring, sp / r in each all-to-all (an int, or auto: the smallest r whose Ulysses degree fits the heads per tp rank); default: the strategy's ring_size")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     p.add_argument("--gpu", default=None, help="also estimate the step time, tokens/s and MFU on this device kind: a100-40gb, a100-80gb, h100, h200, b200, or cpu (measured here by a short calibration)")  # fmt: skip
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node for the step-time estimate's links (default: trainer.devices)")  # fmt: skip
@@ -249,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--config {args.config}: no such file")
         config = yaml.safe_load(path.read_text()) or {}
         model, kwargs, notes = plan_kwargs_from_config(
-            config, seq_len=args.seq_len, pretrained_path=args.pretrained_path
+            config, seq_len=args.seq_len, pretrained_path=args.pretrained_path, ring_size=args.ring_size
         )
         memory = None if args.device_memory is None else parse_bytes(args.device_memory)
         given = {"host_memory": args.host_memory, "devices_per_host": args.devices_per_host,
@@ -257,6 +288,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "lora_rank": args.lora_rank}  # fmt: skip
         kwargs.update({k: v for k, v in given.items() if v is not None})
         plan: MemoryPlan = plan_memory(model, device_memory=memory, **kwargs)
+        ring = ring_choice(model, **kwargs)
+        hint = ring.hint()
+        if hint is not None:
+            notes.append(hint)
         longest = None
         if memory is not None:
             search = {k: v for k, v in kwargs.items() if k not in ("seq_len", "sequence_parallel_size")}
@@ -269,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.json:
         out = {**plan.to_dict(), "longest_seq_len": longest, "notes": notes}
+        out["ring_choice"] = {**dataclasses.asdict(ring), "ulysses": ring.ulysses, "text": ring.text()}
         if timing is not None:
             t = timing.to_dict()
             out.update(
@@ -277,6 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(plan.table())
+    if ring.ring_size > 1 or kwargs["ring_size"] != 1:  # a ring asked for or run: which r, and why
+        print(ring.text())
     for note in notes:
         print(f"note: {note}")
     if longest is not None:

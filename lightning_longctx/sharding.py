@@ -10,6 +10,11 @@ Two layouts of a global sequence of N tokens over P ranks:
   holds chunks j and ``2r-1-j`` (zigzag: equal causal work) and sp rank ``s = j*U + u`` holds piece u of U
   equal pieces of them (``attention/ring.py``'s ``RingLayout.sp_shard``), so the Ulysses all-to-all gives
   ring rank j its two chunks in order.
+* 2-D with FPDT chunks (``ring=r > 1`` and ``chunk_size=c``): ring rank j's ``N/r`` tokens (its two zigzag
+  chunks, in order) are laid out over its U Ulysses ranks as FPDT lays a sequence out over P ranks: cut
+  into segments of ``U*c`` tokens, sp rank ``(j, u)`` holds chunk u of each. ``N % (2*P*c) == 0``, so no
+  segment straddles the two zigzag chunks: every local chunk is a run of c consecutive global tokens.
+  Without ``chunk_size`` this is the same layout with one segment (``c = N/P``).
 """
 
 from __future__ import annotations
@@ -48,44 +53,48 @@ def _segment(n: int, world: int, chunk_size: int | None) -> int:
     return chunk_size
 
 
-def chunk_for(seq_len: int, world: int, chunk_size: int | None) -> int | None:
+def chunk_for(seq_len: int, world: int, chunk_size: int | None, ring: int = 1) -> int | None:
     """Tokens per FPDT chunk per rank for a global sequence of ``seq_len`` tokens over ``world`` ranks:
     ``chunk_size``, or one chunk of the local length for a sequence shorter than ``world * chunk_size``
-    (``None``: the contiguous layout). The one place this rule lives."""
+    (half of it with a ring: a chunk never straddles the two zigzag chunks of a ring rank) (``None``: the
+    contiguous layout). The one place this rule lives."""
     if chunk_size is None:
         return None
-    return min(chunk_size, -(-seq_len // world))
+    per = world * (2 if ring > 1 else 1)
+    return min(chunk_size, -(-seq_len // per))
 
 
-def local_chunk(chunk_size: int, local_len: int) -> int:
+def local_chunk(chunk_size: int, local_len: int, ring: int = 1) -> int:
     """The chunk of a rank holding ``local_len`` tokens of a sequence laid out by :func:`chunk_for` (the same
     rule, seen from the local length that ``shard_batch`` produced)."""
-    return min(chunk_size, local_len)
+    return min(chunk_size, local_len // 2 if ring > 1 else local_len)
 
 
-def _ring_index(n: int, world: int, ring: int, device: torch.device | None = None) -> torch.Tensor:
+def _ring_index(
+    n: int, world: int, ring: int, chunk_size: int | None = None, device: torch.device | None = None
+) -> torch.Tensor:
     """``(world, n / world)``: the global index of every sp rank's tokens in the 2-D layout (module doc)."""
-    if n % (2 * world):
+    c = n // world if chunk_size is None else chunk_size
+    if n % (2 * world) or (chunk_size is not None and n % (2 * world * chunk_size)):
+        unit = 2 * world if chunk_size is None else 2 * world * chunk_size
         raise ValueError(
-            f"sequence length {n} is not divisible by 2 x sequence-parallel size = {2 * world} (ring_size={ring}: "
-            f"2 x {ring} zigzag chunks, each ring rank's split over {world // ring} Ulysses ranks); pad the "
-            "sequence (shard_batch does)"
+            f"sequence length {n} is not divisible by {unit} (ring_size={ring}: 2 x {ring} zigzag chunks, each "
+            f"ring rank's split over {world // ring} Ulysses ranks"
+            + ("" if chunk_size is None else f" in FPDT chunks of {chunk_size}")
+            + "); pad the sequence (shard_batch does)"
         )
-    c = n // (2 * ring)
+    z = n // (2 * ring)
     j = torch.arange(ring, device=device)[:, None]
-    t = torch.arange(c, device=device)
-    per_ring = torch.cat([j * c + t, (2 * ring - 1 - j) * c + t], dim=1)  # (r, 2c): chunks j and 2r-1-j
-    return per_ring.reshape(world, n // world)  # piece u of ring rank j is row j * U + u
+    t = torch.arange(z, device=device)
+    per_ring = torch.cat([j * z + t, (2 * ring - 1 - j) * z + t], dim=1)  # (r, 2z): chunks j and 2r-1-j
+    # (r, K, U, c) segments of U*c tokens, chunk u of each to Ulysses rank u: sp rank j * U + u
+    pieces = per_ring.reshape(ring, -1, world // ring, c).transpose(1, 2)
+    return pieces.reshape(world, n // world)
 
 
-def _check_ring(ring: int, world: int, chunk_size: int | None) -> None:
+def _check_ring(ring: int, world: int) -> None:
     if ring < 1 or world % ring:
         raise ValueError(f"ring={ring} must be a positive divisor of the sequence-parallel size {world}")
-    if ring > 1 and chunk_size is not None:
-        raise ValueError(
-            f"ring={ring} with chunk_size={chunk_size}: FPDT's chunked layout does not compose with the ring "
-            "yet; use chunk_size=None (Ulysses x ring)"
-        )
 
 
 def global_index(
@@ -99,9 +108,10 @@ def global_index(
 ) -> torch.Tensor:
     """``(local_len,)`` global token index of each of rank ``rank``'s tokens in the layout (the inverse of
     :func:`shard_sequence` on ``arange(N)``, computed without a collective)."""
-    _check_ring(ring, world, chunk_size)
+    _check_ring(ring, world)
     if ring > 1:
-        return _ring_index(local_len * world, world, ring, device)[rank]
+        c = None if chunk_size is None else local_chunk(chunk_size, local_len, ring)
+        return _ring_index(local_len * world, world, ring, c, device)[rank]
     t = torch.arange(local_len, device=device)
     if chunk_size is None:
         return rank * local_len + t
@@ -124,13 +134,14 @@ def shard_sequence(
     x: torch.Tensor, *, group: Group = None, dim: int = 1, chunk_size: int | None = None, ring: int = 1
 ) -> torch.Tensor:
     """This rank's part of ``x`` along ``dim`` (length N) in the chosen layout; N must divide
-    (``N % P == 0``, ``N % (P*chunk_size) == 0`` for the FPDT layout, ``N % 2P == 0`` with a ring)."""
+    (``N % P == 0``, ``N % (P*chunk_size) == 0`` for the FPDT layout, ``N % 2P == 0`` with a ring,
+    ``N % (2P*chunk_size) == 0`` with both)."""
     rank, world = group_rank_size(group)
     dim = dim % x.dim()
     n = x.shape[dim]
-    _check_ring(ring, world, chunk_size)
+    _check_ring(ring, world)
     if ring > 1:
-        return x.index_select(dim, _ring_index(n, world, ring, x.device)[rank])
+        return x.index_select(dim, _ring_index(n, world, ring, chunk_size, x.device)[rank])
     seg = _segment(n, world, chunk_size)
     parts = x.unflatten(dim, (n // (world * seg), world, seg))  # (..., u, P, seg, ...)
     return parts.select(dim + 1, rank).flatten(dim, dim + 1).contiguous()
@@ -143,10 +154,10 @@ def gather_sequence(
     _, world = group_rank_size(group)
     dim = dim % x.dim()
     local = x.shape[dim]
-    _check_ring(ring, world, chunk_size)
+    _check_ring(ring, world)
     if ring > 1:  # the ranks' shards in rank order, then each token to its global index
         stacked = all_gather_no_grad(x, group, dim=dim)  # (..., P * local, ...)
-        index = _ring_index(local * world, world, ring, x.device).flatten()
+        index = _ring_index(local * world, world, ring, chunk_size, x.device).flatten()
         return torch.empty_like(stacked).index_copy_(dim, index, stacked)
     seg = local if chunk_size is None else chunk_size
     if local % seg:

@@ -57,6 +57,7 @@ from lightning_longctx.fit_check import (
     enabled,
     fit_check_capacity,
 )
+from lightning_longctx.flops import find_hf_config
 from lightning_longctx.fsdp import MIXED_PRECISION_DTYPES
 from lightning_longctx.integrations.context import BatchPositions, SequenceParallelContext
 from lightning_longctx.integrations.hybrid import packed_documents_refusal
@@ -64,6 +65,7 @@ from lightning_longctx.integrations.hybrid.base import halo_error
 from lightning_longctx.mesh import ParallelLayout, WorldMesh, build_world_mesh
 from lightning_longctx.parallelize import Parallelized, data_parallel_for, parallelize
 from lightning_longctx.planner import MemoryPlan
+from lightning_longctx.planner.shapes import text_config
 from lightning_longctx.sharding import global_positions, shard_batch
 from lightning_longctx.token_mean import TokenMeanWindow
 
@@ -220,8 +222,18 @@ class UlyssesFPDTStrategy(DDPStrategy):
         """The settings resolved for this world (``SequenceParallelConfig.resolve``): the one object the
         model patching, the batch sharding and the loss read."""
         if self._config is None:
-            self._config = self.sp_config.resolve(self.world_size, self.num_processes, self.root_device.type)
+            self._config = self.sp_config.resolve(
+                self.world_size, self.num_processes, self.root_device.type, heads=self._model_heads()
+            )
         return self._config
+
+    def _model_heads(self) -> int | None:
+        """The query heads of the LightningModule's transformers model, read for ``ring_size="auto"`` only."""
+        if self.sp_config.ring_size != "auto" or self.lightning_module is None:
+            return None
+        config = find_hf_config(self.lightning_module)
+        heads = None if config is None else getattr(text_config(config), "num_attention_heads", None)
+        return heads if isinstance(heads, int) and heads > 0 else None
 
     @property
     def layout(self) -> ParallelLayout:
@@ -672,7 +684,8 @@ class UlyssesFPDTStrategy(DDPStrategy):
         packed = refusal is not None and any(
             ctx.positions is not None and ctx.positions.documents() is not None for ctx in hybrids
         )
-        short = any((chunk or local_len) < ctx.mixer_halo for ctx in hybrids)
+        segment = chunk or (local_len // 2 if self.layout.ring > 1 else local_len)  # a ring rank's two runs
+        short = any(segment < ctx.mixer_halo for ctx in hybrids)
         flags = all_reduce_no_grad(
             torch.tensor([float(packed), float(short)], device=self.root_device), op="max"
         )
@@ -680,7 +693,13 @@ class UlyssesFPDTStrategy(DDPStrategy):
         if flags[0]:
             raise refusal
         if flags[1]:
-            raise halo_error(ctx.model_name, ctx.mixer_halo, chunk or local_len, local_len)
+            raise halo_error(
+                ctx.model_name,
+                ctx.mixer_halo,
+                segment,
+                local_len,
+                ring=self.layout.ring if chunk is None else 1,
+            )
 
     def _check_batch_across_ranks(self, ids: Tensor | None) -> None:
         """First batch: every rank of an SP group must hold the same sample, and all shapes must agree

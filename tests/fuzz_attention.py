@@ -1,10 +1,14 @@
-"""Randomized differential testing of the attention core: ``ulysses_attention`` and ``fpdt_attention``.
+"""Randomized differential testing of the attention core: ``ulysses_attention``, ``fpdt_attention`` and
+``usp_attention`` (Ulysses x ring).
 
-:func:`attention_cases` draws what the public API accepts — P in {1, 2, 4}; query and kv heads (GQA,
+:func:`attention_cases` draws what the public API accepts — P in {1, 2, 4}; in Ulysses mode a ring degree
+r | P (r > 1: ``usp_attention`` over r rings of U = P / r Ulysses ranks, groups from the world mesh, sp rank
+``j * U + u``) and the ring's layout (zigzag or contiguous); query and kv heads (GQA,
 ``h_kv < P``, ``h < P``, ``h % P != 0``); head dim; batch; chunk size and chunks per rank; causal or
 not; packed documents of random lengths, given as position ids or as ``documents`` (length-1 documents, documents spanning ranks, documents
 inside one chunk, cuts on chunk and rank edges so that whole kv chunks are skipped); a sliding window;
-soft-capping; sinks; FPDT offload and overlap; compute tiles; backend; float32 / float64.
+soft-capping; sinks; FPDT offload and overlap; compute tiles (FPDT and the ring); backend; float32 /
+float64.
 :func:`run_attention` runs one case on every rank (forward and backward, gathered) against
 ``reference.reference_attention`` in float64 on the whole sequence: output, dq, dk, dv and the sinks'
 gradient within :data:`TOLERANCE` (relative to each reference tensor's largest value, see
@@ -14,6 +18,7 @@ gradient within :data:`TOLERANCE` (relative to each reference tensor's largest v
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +30,8 @@ from hypothesis import strategies as st
 from helpers.reference import reference_attention
 from lightning_longctx import gather_sequence, shard_sequence
 from lightning_longctx.attention import fpdt_attention, ulysses_attention
+from lightning_longctx.attention.ring import RING_LAYOUTS, RingLayout, usp_attention
+from lightning_longctx.mesh import ParallelLayout, WorldMesh, build_world_mesh
 from lightning_longctx.sharding import document_ids
 
 TOLERANCE = 1e-4
@@ -39,7 +46,10 @@ MAX_TOKENS = 96  # whole sequence: keeps one example well under a second
 @dataclass(frozen=True)
 class AttnCase:
     """One drawn call. ``N = world * chunk_size * chunks``; Ulysses shards the same N contiguously.
-    ``docs``: per batch row, the lengths of its packed documents (summing to N), or None (one document)."""
+    ``docs``: per batch row, the lengths of its packed documents (summing to N), or None (one document).
+    ``ring_size > 1`` (mode "ulysses"): ``usp_attention`` with ``RingLayout(ring_size, N, ring_kind)``, each
+    rank holding ``layout.sp_shard``'s tokens; the documents go as ``documents`` (the ring takes no position
+    ids)."""
 
     world: int
     mode: str  # "ulysses" | "fpdt"
@@ -61,6 +71,8 @@ class AttnCase:
     backend: str = "auto"
     dtype: str = "float32"
     seed: int = 0
+    ring_size: int = 1
+    ring_kind: str = "zigzag"
 
     @property
     def seq_len(self) -> int:
@@ -80,19 +92,32 @@ def _doc_lengths(draw: st.DrawFn, n: int, chunk: int, local: int) -> tuple[int, 
 
 
 @st.composite
-def attention_cases(draw: st.DrawFn, worlds: tuple[int, ...] = (1, 2, 4)) -> AttnCase:
+def attention_cases(
+    draw: st.DrawFn, worlds: tuple[int, ...] = (1, 2, 4), ring_only: bool = False
+) -> AttnCase:
+    """``ring_only``: Ulysses x ring cases alone (``ring_size > 1``; ``worlds`` without 1)."""
     world = draw(st.sampled_from(worlds))
-    mode = draw(st.sampled_from(["ulysses", "fpdt"]))
+    mode = "ulysses" if ring_only else draw(st.sampled_from(["ulysses", "fpdt"]))
+    rings = [r for r in range(2 if ring_only else 1, world + 1) if world % r == 0]
+    ring = 1 if mode == "fpdt" else draw(st.sampled_from(rings))
+    kind = draw(st.sampled_from(RING_LAYOUTS)) if ring > 1 else "zigzag"
     h_kv = draw(st.integers(1, 4))
-    h = h_kv * draw(st.integers(1, 3))  # GQA groups of 1-3; h < P and h % P != 0 both occur
+    h = h_kv * draw(st.integers(1, 3))  # GQA groups of 1-3; h < P (h < U) and h % P != 0 both occur
     chunk = draw(st.sampled_from([1, 2, 3, 4, 5, 8]))
     chunks = draw(st.integers(1, 4))
+    if kind == "zigzag" and (world * chunk * chunks) % (2 * ring):
+        chunks *= 2  # zigzag cuts N into 2r equal chunks (N = r U chunk chunks: make it even)
     n = world * chunk * chunks
     assume(n <= MAX_TOKENS)
     b = draw(st.integers(1, 2))
     packed = draw(st.booleans())
-    docs = tuple(_doc_lengths(draw, n, chunk, n // world) for _ in range(b)) if packed else None
+    edge = n // (2 * ring if kind == "zigzag" else ring) if ring > 1 else chunk  # the blocks' edges
+    docs = tuple(_doc_lengths(draw, n, edge, n // world) for _ in range(b)) if packed else None
     fpdt = mode == "fpdt"
+    tiled = fpdt or ring > 1  # FPDT and the ring tile their blocks (block_size); Ulysses runs one kernel
+    backends = ["auto", "math", "fused"] if fpdt else ["auto", "math", "sdpa"]
+    if ring > 1:
+        backends = ["auto", "math", "fused", "sdpa"]  # the ring runs FPDT's blocks and refuses "sdpa" by name
     return AttnCase(
         world=world,
         mode=mode,
@@ -104,16 +129,18 @@ def attention_cases(draw: st.DrawFn, worlds: tuple[int, ...] = (1, 2, 4)) -> Att
         chunks=chunks,
         causal=draw(st.booleans()),
         docs=docs,
-        documents=packed and draw(st.booleans()),
+        documents=packed and (ring > 1 or draw(st.booleans())),
         sliding_window=draw(st.one_of(st.none(), st.integers(1, n + 2))),
         softcap=draw(st.one_of(st.none(), st.sampled_from([0.5, 2.0, 20.0]))),
         sinks=draw(st.booleans()),
         offload=fpdt and draw(st.booleans()),
         overlap=not fpdt or draw(st.booleans()),
-        block_size=draw(st.sampled_from([1024, 2, 3, 5])) if fpdt else 1024,
-        backend=draw(st.sampled_from(["auto", "math", "sdpa"] if not fpdt else ["auto", "math", "fused"])),
+        block_size=draw(st.sampled_from([1024, 2, 3, 5])) if tiled else 1024,
+        backend=draw(st.sampled_from(backends)),
         dtype=draw(st.sampled_from(["float32", "float64"])),
         seed=draw(st.integers(0, 2**16)),
+        ring_size=ring,
+        ring_kind=kind,
     )
 
 
@@ -157,10 +184,49 @@ def _reference(case: AttnCase, x: dict) -> list[torch.Tensor]:
     return [out.detach(), *grads]
 
 
-def run_attention(case: AttnCase) -> tuple[str, object]:
-    """On every rank of the default group: ``("ran", worst relative error)`` or ``("refused", message)``."""
-    assert dist.get_world_size() == case.world
-    x = _inputs(case)
+#: (world, ring) -> this process's world mesh: the pool's ranks live for many cases, and every rank builds the
+#: same meshes in the same order (each runs every case), so each is built once per process, not per case
+_MESHES: dict[tuple[int, int], WorldMesh] = {}
+
+
+def _world_mesh(world: int, ring: int) -> WorldMesh:
+    if (world, ring) not in _MESHES:
+        _MESHES[world, ring] = build_world_mesh(ParallelLayout(world_size=world, sp=world, ring=ring), "cpu")
+    return _MESHES[world, ring]
+
+
+#: what a runner gives: this rank's out, dq, dk, dv, its sinks leaf (or None), and ``pair(got, reference)`` that
+#: puts one of them beside the whole-sequence reference tensor (both gathered, or both this rank's shard)
+Ran = tuple[list[torch.Tensor], torch.Tensor | None, Callable[[torch.Tensor, torch.Tensor], tuple]]
+
+
+def _usp(case: AttnCase, x: dict) -> Ran:
+    """Ulysses x ring on this rank, compared shard by shard (``layout.sp_shard`` of the reference); the
+    groups as the strategy builds them (``build_world_mesh``, as ``tests/test_ring.py``
+    ``test_usp_matches_full_attention``)."""
+    rank = dist.get_rank()
+    mesh = _world_mesh(case.world, case.ring_size)
+    par = mesh.layout
+    j, u, ulysses = par.ring_rank(rank), par.ulysses_rank(rank), par.ulysses
+    layout = RingLayout(ring_size=case.ring_size, seq_len=case.seq_len, kind=case.ring_kind)
+
+    def shard(t: torch.Tensor) -> torch.Tensor:
+        return layout.sp_shard(t, j, u, ulysses)
+
+    loc = [shard(x[n]).requires_grad_() for n in ("q", "k", "v")]
+    sinks = None if x["sinks"] is None else x["sinks"].clone().requires_grad_()
+    out = usp_attention(
+        *loc, ulysses_group=mesh.ulysses_group, ring_group=mesh.ring_group, layout=layout, causal=case.causal,
+        sliding_window=case.sliding_window, documents=None if x["pos"] is None else document_ids(x["pos"]),
+        softcap=case.softcap, sinks=sinks, backend=case.backend, block_size=case.block_size,
+    )  # fmt: skip
+    (out * shard(x["w"])).sum().backward()
+    return [out.detach(), *(t.grad for t in loc)], sinks, lambda a, b: (a, shard(b))
+
+
+def _ulysses_or_fpdt(case: AttnCase, x: dict) -> Ran:
+    """``ulysses_attention`` / ``fpdt_attention`` on this rank, compared on the whole sequence
+    (``gather_sequence``)."""
     c = case.chunk_size if case.mode == "fpdt" else None
 
     def shard(t: torch.Tensor) -> torch.Tensor:
@@ -177,24 +243,34 @@ def run_attention(case: AttnCase) -> tuple[str, object]:
         sinks=sinks,
         backend=case.backend,
     )
+    if case.mode == "fpdt":
+        out = fpdt_attention(*loc, chunk_size=c, offload=case.offload, overlap=case.overlap,
+                             block_size=case.block_size, **kw)  # fmt: skip
+    else:
+        out = ulysses_attention(*loc, **kw)
+    (out * shard(x["w"])).sum().backward()
+    return [out.detach(), *(t.grad for t in loc)], sinks, lambda a, b: (gather_sequence(a, chunk_size=c), b)
+
+
+def run_attention(case: AttnCase) -> tuple[str, object]:
+    """On every rank of the default group: ``("ran", worst relative error)`` or ``("refused", message)``.
+    Out, dq, dk, dv (gathered; under a ring each rank's own shard) against the reference's (the same shard),
+    relative to the whole reference tensor's largest value; the sinks' gradient summed over the group."""
+    assert dist.get_world_size() == case.world
+    x = _inputs(case)
     try:
-        if case.mode == "fpdt":
-            out = fpdt_attention(*loc, chunk_size=c, offload=case.offload, overlap=case.overlap,
-                                 block_size=case.block_size, **kw)  # fmt: skip
-        else:
-            out = ulysses_attention(*loc, **kw)
-        (out * shard(x["w"])).sum().backward()
+        got, sinks, pair = (_usp if case.ring_size > 1 else _ulysses_or_fpdt)(case, x)
     except REFUSALS as e:
         return refusal_or_raise(e)
-    got = [gather_sequence(t, chunk_size=c) for t in (out.detach(), *(t.grad for t in loc))]
+    want = _reference(case, x)
+    floor = FLOOR * max(float(b.abs().max()) for b in want)
+    pairs = [pair(a, b) for a, b in zip(got, want)]
     if sinks is not None:  # each rank gave the heads it owns; the sum over the group is the gradient
         dsinks = sinks.grad.clone()
         dist.all_reduce(dsinks)
-        got.append(dsinks)
-    want = _reference(case, x)
-    floor = FLOOR * max(float(b.abs().max()) for b in want)
+        pairs.append((dsinks, want[4]))
     worst = 0.0
-    for a, b in zip(got, want):
-        scale = max(float(b.abs().max()), floor)
+    for (a, b), whole in zip(pairs, want):
+        scale = max(float(whole.abs().max()), floor)  # the whole reference tensor's largest value
         worst = max(worst, float((a.double() - b).abs().max()) / scale)
     return "ran", worst

@@ -2,7 +2,7 @@
 
 :func:`strategy_cases` draws an architecture from the sweep's list (``arch_sweep.ARCHS``, dense ones:
 the MoE auxiliary loss has its own tests; mostly those the sweep finds exact, sometimes a refused one), the world size and sequence-parallel size (dp = world / sp),
-gradient accumulation, Ulysses or FPDT (chunk size), FPDT offload and overlap, activation checkpointing, activation
+gradient accumulation, Ulysses or FPDT (chunk size), Ulysses x ring (``ring_size``, hybrid models included), FPDT offload and overlap, activation checkpointing, activation
 offload, DDP or FSDP2 (with or without model-state offload to the host, with or without tensor parallelism over
 2 ranks: dp = world / (sp * tp); models without a TP plan or with heads not divisible refuse), packed documents (position ids
 restarting at 0, the first label of a document ignored as ``DataCollatorWithFlattening`` does), the sequence
@@ -78,7 +78,8 @@ class StratCase:
     #: the same validation run scores a passkey grid with ``NeedleRetrieval`` (models whose forward takes
     #: ``logits_to_keep``; the callback refuses the others, tests/test_needle.py)
     needle: bool = False
-    #: Ulysses x ring (``ring_size``; Ulysses mode, attention-only models; hybrids refuse it)
+    #: Ulysses x ring (``ring_size``; Ulysses and FPDT modes; attention-only and hybrid models alike: the mixers' halos and
+    #: state scans follow the zigzag's segment order)
     ring_size: int = 1
 
     @property
@@ -124,7 +125,7 @@ def strategy_cases(draw: st.DrawFn, archs: list[str] | None = None) -> StratCase
         positional_loss=draw(st.sampled_from([None, "token", "document"])),
         needle=draw(st.booleans()),
     )
-    if case.fpdt_chunk_size is None and case.sp > 1:  # drawn last: the earlier draws stay as they were
+    if case.sp > 1:  # drawn last: the earlier draws stay as they were (both modes: FPDT chunks in the ring)
         case = dataclasses.replace(case, ring_size=draw(st.sampled_from(sorted({1, 2, case.sp}))))
     return case
 

@@ -190,17 +190,25 @@ def test_bench_hybrid_bytes_are_the_formula(tmp_path: Path) -> None:
 
 
 def test_bench_ring_bytes_are_the_formula(tmp_path: Path) -> None:
-    """Ulysses, USP (2 x 2) and a ring of 4 at P = 4: every rank's bytes equal their formula, the outputs agree."""
-    out = tmp_path / "ring.json"
+    """Ulysses, USP (2 x 2) and a ring of 4 at P = 4: every rank's bytes equal their formula, the outputs agree;
+    the balance table (zigzag exactly balanced on causal work, contiguous not) and the plot."""
+    out, png = tmp_path / "ring.json", tmp_path / "ring.png"
     _run_script(
         ["benchmarks/bench_ring.py", "--world-sizes", "4", "--seq-len", "64", "--head-dim", "8", "--repeats", "1",
-         "--out", str(out)],
+         "--balance-seq-len", "1024", "--block-size", "64", "--out", str(out), "--png", str(png)],
         timeout=240,
     )  # fmt: skip
-    rows = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
     assert [(r["ring"], r["ulysses"]) for r in rows] == [(1, 4), (2, 2), (4, 1)]
     assert all(r["bytes_ratio"] == 1.0 and r["diff_out"] < 1e-5 for r in rows), rows
     assert rows[0]["ring_mib"] == 0 and rows[2]["a2a_mib"] == 0
+    balance = {(b["mask"], b["ring"]): b for b in data["balance"]}
+    assert {m for m, _ in balance} == {"-", "4 documents", "8 documents", "16 documents", "window 128"}
+    for r in (2, 4, 8):
+        assert balance["-", r]["zigzag_max"] == balance["-", r]["zigzag_min"] == 1.0
+        assert balance["-", r]["contiguous_max"] > 1.1 > 0.9 > balance["-", r]["contiguous_min"]
+    assert png.stat().st_size > 0
 
 
 def test_bench_checkpoint_smoke(tmp_path: Path) -> None:

@@ -238,3 +238,51 @@ def test_the_shipped_configs_are_planned_as_lightning_longctx_plan_plans_them():
                                    capacity=80 << 30, where="here", device_type=device)  # fmt: skip
         model_config, kwargs, _ = plan_kwargs_from_config(config)
         assert verdict.plan == plan_memory(model_config, **kwargs, device_memory=80 << 30), name
+
+
+def test_a_ring_layout_is_planned_not_refused():
+    """Ulysses x ring (sp 4 as ring 2 x Ulysses 2): the check plans it with the planner's ring model (the plan
+    ``plan_memory(..., ring_size=2)`` gives), instead of skipping it."""
+    parallel = SequenceParallelConfig(sequence_parallel_size=4, ring_size=2).resolve(4, 4, "cpu")
+    model = tiny_model("llama")
+    batch = {"input_ids": torch.zeros(1, 64, dtype=torch.long)}
+    sgd = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    verdict = check_first_step(model, [model], sgd, parallel, batch, precision="32-true",
+                               capacity=parse_bytes(CAPACITY), where="here", device_type="cpu")  # fmt: skip
+    assert verdict.fits and verdict.plan.ring_size == 2
+    assert verdict.plan == _expected(64, sequence_parallel_size=4, ring_size=2)
+    assert verdict.plan["ring buffers"].largest > 0 and "sp 4 (ring 2 x Ulysses 2)" in verdict.plan.table()
+
+
+def test_a_ring_run_is_checked_and_trains(dist_pool):
+    """The strategy's own ring run (sp 2 = ring 2, forced check): planned, fits, trains; its plan has the ring."""
+    for msg, steps, plan in dist_pool(2).run(_fit, SHORT, {**FORCED, "ring_size": 2}, 2):
+        assert msg is None and steps == 1 and plan is not None, msg
+        assert plan["ring_size"] == 2 and plan["fits"]
+        assert plan == _expected(SHORT, sequence_parallel_size=2, ring_size=2).to_dict()
+
+
+@pytest.mark.parametrize(
+    "arch, settings",
+    [
+        ("llama", {"fpdt_chunk_size": 8, "offload": False}),  # FPDT x ring
+        ("llama", {"fpdt_chunk_size": 8, "offload": True}),
+        ("qwen3_5", {}),  # a hybrid (gated DeltaNet + attention) under Ulysses x ring
+        ("qwen3_5", {"fpdt_chunk_size": 8, "offload": False}),  # and under FPDT x ring
+    ],
+)
+def test_fpdt_and_hybrid_rings_are_planned_not_skipped(arch, settings):
+    """FPDT x ring and hybrids under a ring (sp 4 as ring 2 x Ulysses 2): the check plans them with the planner's
+    model (the plan ``plan_memory`` gives for the same settings) instead of skipping them."""
+    parallel = SequenceParallelConfig(sequence_parallel_size=4, ring_size=2, **settings).resolve(4, 4, "cpu")
+    model = tiny_model(arch)
+    batch = {"input_ids": torch.zeros(1, 64, dtype=torch.long)}
+    sgd = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    verdict = check_first_step(model, [model], sgd, parallel, batch, precision="32-true",
+                               capacity=1 << 40, where="here", device_type="cpu")  # fmt: skip
+    mode = {"mode": "fpdt"} if settings else {}
+    expected = plan_memory(tiny_config(arch), seq_len=64, optimizer="sgd", device_memory=1 << 40, device_type="cpu",
+                           sequence_parallel_size=4, ring_size=2, **mode, **settings)  # fmt: skip
+    assert verdict.fits and verdict.plan == expected and verdict.plan.ring_size == 2
+    assert verdict.plan["ring buffers"].largest > 0
+    assert ("FPDT x ring" if settings else "Ulysses x ring") in verdict.plan.table()

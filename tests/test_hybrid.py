@@ -150,6 +150,8 @@ class _HalfAdaptedMixer(nn.Module):
 
 class _MixerContext:  # the fields MixerCall reads
     group = None
+    ring = 1
+    chunk_size = None
     call_position_ids = None
     positions = None
     mixer_calls = 0

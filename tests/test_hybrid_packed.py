@@ -92,6 +92,7 @@ def test_packed_xlstm_chunkwise_two_ranks(dist_pool):
 
 class _Context:  # the fields MixerCall and packed_documents_refusal read
     group = None
+    ring = 1
     model_name = "FakeForCausalLM"
     mixer_calls = 0
 

@@ -1275,3 +1275,382 @@ def test_a_causal_lm_lora_config_is_planned_with_its_adapters():
     names = [c.name for c in without.components]
     optimizer = next(n for n in names if n.startswith("optimizer"))
     assert 0 < with_lora[optimizer].largest < without[optimizer].largest / 10
+
+
+# ---- Ulysses x ring (ring_size): the all-to-all over U = P / r ranks, the ring's blocks and buffers ----
+
+GIB, MIB = 1 << 30, 1 << 20
+#: Llama-3-8B at 1M tokens on 8 GPUs as ring 2 x Ulysses 4, as the strategy runs it on a GPU
+RING_8B = {"seq_len": 1 << 20, "sequence_parallel_size": 8, "precision": "bf16-mixed", "data_parallel": "fsdp",
+           "activation_checkpointing": True}  # fmt: skip
+
+
+def test_ring_size_1_and_auto_within_the_heads_are_todays_plan():
+    """r = 1 (given, or what "auto" picks while sp fits the heads) plans exactly what the planner planned before
+    the ring (the pinned grid checks every figure of the default); the JSON gains no key without a ring."""
+    for model, kw in (
+        (BENCH, {"seq_len": 65536, "sequence_parallel_size": 4}),
+        (LLAMA3_8B, {**RING_8B, "mode": "fpdt", "fpdt_chunk_size": 16384, "offload": True}),
+        (UNEVEN, {"seq_len": 10000, "sequence_parallel_size": 8, "precision": "bf16-mixed"}),
+    ):
+        today = plan_memory(model, **kw).to_dict()
+        assert "ring_size" not in today
+        assert plan_memory(model, **kw, ring_size=1).to_dict() == today
+        assert plan_memory(model, **kw, ring_size="auto").to_dict() == today  # sp <= heads: auto is 1
+
+
+def test_ring_terms_are_the_hand_computed_formulas():
+    """Llama-3-8B (h 32, h_kv 8, d 128), N = 1M, P = 8 as ring r = 2 x Ulysses U = 4, bf16 (e = 2), fp32
+    accumulators: each rank holds N/r = 524,288 tokens and h/U = 8 heads, kv h_kv^U / U = 2 (8 kv heads divide
+    over U = 4: no copies); one k/v block is 2 (N/r)(h_kv^U/U) d e = 512 MiB (usp.md §5)."""
+    from lightning_longctx.planner.plan import plan_layout
+    from lightning_longctx.planner.terms import _ring_backward_moment, _ring_forward_moment
+
+    n_r, d, e = (1 << 20) // 2, 128, 2
+    lay = plan_layout(LLAMA3_8B, **RING_8B, ring_size=2)
+    assert (lay.ring, lay.ulysses, lay.heads_per_rank, lay.kv_per_rank, lay.bn) == (2, 4, 8, 2, n_r)
+    q, kv = n_r * 8 * d, n_r * 2 * d  # elements of q (and out), of k (and v) in head layout
+    block = 2 * n_r * 2 * d * e
+    assert lay.ring_block_bytes == block == 512 * MIB
+    lse = n_r // 2 * 8 * 4  # one kernel call's rows (a zigzag chunk, N/(2r)), fp32
+    # forward: two k/v blocks; the fp32 output accumulator, one call's fp32 output, the merge's 2 products + sum
+    assert _ring_forward_moment(lay) == (2 * block, q * 4 + 4 * (q // 2) * 4 + 5 * lse)
+    assert _ring_forward_moment(lay) == (1 * GIB, 6 * GIB + 40 * MIB)
+    # backward, the last step computing: the visiting k/v block, three fp32 dk/dv blocks (accumulating, sent,
+    # received); dout, delta, the fp32 dq accumulator, the previous call's fp32 dq/dk/dv and this call's (+ bf16)
+    half = (q + 2 * kv) // 2
+    base = q * e + n_r * 8 * 4 + q * 4
+    assert _ring_backward_moment(lay) == (block + 3 * 2 * kv * 4, base + half * (2 * 4 + e))
+    assert _ring_backward_moment(lay) == (int(3.5 * GIB), int(6.75 * GIB) + 16 * MIB)
+
+    ring, ulysses = plan_memory(LLAMA3_8B, **RING_8B, ring_size=2), plan_memory(LLAMA3_8B, **RING_8B)
+    assert ring.ring_size == 2 and ring.to_dict()["ring_size"] == 2
+    assert (
+        ring["ring buffers"].largest == int(3.5 * GIB) and "sp 8 (ring 2 x Ulysses 4) x dp 1" in ring.table()
+    )
+    assert "k/v blocks of 512.00 MiB (524,288 tokens x 2 kv heads; ring 2 x Ulysses 4)" in ring.table()
+    # (N/r) x (h/U) = (N/P) x h: the per-rank activations are Ulysses' (kv heads divide over U and P alike)
+    for row in ("weights", "activations kept for backward", "layer recompute (checkpointing)"):
+        assert ring[row].largest == ulysses[row].largest, row
+    # the forward's ring working set (two blocks, the accumulator and one call's merge: 7 GiB + 40 MiB) instead
+    # of Ulysses' all-to-all buffers (2 (N/P) h d e = 2 GiB: a ring's are not alive during its loop)
+    a2a = 2 * (1 << 20) // 8 * 32 * d * e
+    assert ulysses["all-to-all buffers"].largest == a2a == 2 * GIB
+    assert "all-to-all buffers" not in [c.name for c in ring.components]
+    assert ring.phase("layer forward")[0] - ulysses.phase("layer forward")[0] == 7 * GIB + 40 * MIB - a2a
+
+
+def test_ring_replicates_kv_for_u_and_pads_to_2p():
+    """GQA kv copies follow U, not P (spread_kv_heads over the Ulysses group); the sequence pads to 2P."""
+    from lightning_longctx.planner.plan import plan_layout
+
+    # 8 heads, 2 kv heads: Ulysses over P = 8 spreads kv to 8 heads; ring 2 x U 4 spreads it to 4
+    gqa = {**TINY, "hidden_size": 128, "num_attention_heads": 8}
+    lay = plan_layout(gqa, seq_len=1001, sequence_parallel_size=8, ring_size=2)
+    assert (lay.ulysses, lay.kv_heads, lay.kv_per_rank, lay.heads_per_rank) == (4, 4, 1, 2)
+    assert lay.padded == 1008 and lay.bn == 504  # a multiple of 2 x 8; N / r per ring rank
+    assert plan_layout(gqa, seq_len=1001, sequence_parallel_size=8).kv_heads == 8
+
+
+def test_ring_auto_is_the_config_rule_and_the_refusals_name_the_rule():
+    from lightning_longctx.config import SequenceParallelConfig, auto_ring_size
+    from lightning_longctx.planner import parallel_kwargs, resolve_parallel, ring_choice
+
+    # TINY has 4 heads: sp 8 needs a ring of 2, sp 16 at tp 2 (2 heads per tp rank) a ring of 8
+    assert plan_memory(TINY, seq_len=4096, sequence_parallel_size=8, ring_size="auto").ring_size == 2
+    assert auto_ring_size(16, 2) == 8 == plan_memory(
+        TINY, seq_len=8192, sequence_parallel_size=16, tensor_parallel_size=2, data_parallel="fsdp",
+        ring_size="auto").ring_size  # fmt: skip
+    choice = ring_choice(TINY, seq_len=4096, sequence_parallel_size=8, ring_size="auto")
+    assert choice.text() == (
+        "ring_size 2 (auto): Ulysses 4 fits 4 heads per tp rank; ring 2 passes 256.00 KiB k/v blocks (2,048 tokens "
+        "per ring rank, 2 kv heads per tp rank)"
+    )
+    assert choice.hint() is None
+    one = ring_choice(TINY, seq_len=4096, sequence_parallel_size=8)
+    assert one.hint() == (
+        "Ulysses 8 (sequence_parallel_size 8 / ring_size 1) > 4 heads per tp rank: 4 of each all-to-all's ranks "
+        "hold no head; ring_size='auto' would pick 2 (Ulysses 4 x ring 2)"
+    )
+    # the strategy's resolved settings plan their ring (parallel_kwargs no longer refuses it)
+    resolved = SequenceParallelConfig(sequence_parallel_size=4, ring_size=2).resolve(8, 8, "cuda")
+    assert parallel_kwargs(resolved)["ring_size"] == 2
+    assert plan_memory(TINY, seq_len=4096, **parallel_kwargs(resolved)).ring_size == 2
+    assert longest_sequence(BENCH, device_memory="4GiB", sequence_parallel_size=4, ring_size=2) % 8 == 0
+    base = {"seq_len": 4096, "sequence_parallel_size": 4}
+    for kwargs, match in (
+        ({"ring_size": 3}, "ring_size=3 must divide sequence_parallel_size=4"),
+        ({"ring_size": 0}, "ring_size=0"),
+        ({"ring_size": "two"}, "ring_size='two'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            plan_memory(BENCH, **base, **kwargs)
+    with pytest.raises(ValueError, match="ring_size='auto' picks r from the model's attention heads"):
+        resolve_parallel(sequence_parallel_size=4, ring_size="auto")
+
+
+def test_cli_prints_the_ring_choice_and_hints_auto(tmp_path, capsys):
+    """``plan --ring-size auto`` names r and why; a plan whose sp exceeds the heads at ring_size 1 hints what auto
+    picks; the strategy's own ring_size is read from the config."""
+    import yaml
+
+    strategy = {
+        "class_path": "lightning_longctx.UlyssesFPDTStrategy",
+        "init_args": {"sequence_parallel_size": 8},
+    }
+    config = {"trainer": {"accelerator": "cpu", "devices": 8, "strategy": strategy},
+              "model": {"init_args": {"model_config": TINY}}, "data": {"init_args": {"seq_len": 4096}}}  # fmt: skip
+    path = tmp_path / "sp8.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["plan", "--config", str(path), "--ring-size", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "sp 8 (ring 2 x Ulysses 4) x dp 1, Ulysses x ring" in out
+    assert (
+        "\nring_size 2 (auto): Ulysses 4 fits 4 heads per tp rank; ring 2 passes 256.00 KiB k/v blocks" in out
+    )
+    assert main(["plan", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "note: Ulysses 8 (sequence_parallel_size 8 / ring_size 1) > 4 heads per tp rank" in out
+    assert "ring_size='auto' would pick 2 (Ulysses 4 x ring 2)" in out and "\nring_size " not in out
+    strategy["init_args"]["ring_size"] = 4
+    path.write_text(yaml.safe_dump(config))
+    assert main(["plan", "--config", str(path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["ring_size"] == 4 and plan["ring_choice"]["ulysses"] == 2 and plan["notes"] == []
+    assert plan["ring_choice"]["text"].startswith("ring_size 4: Ulysses 2 fits 4 heads per tp rank; ring 4")
+    with pytest.raises(SystemExit):
+        main(["plan", "--config", str(path), "--ring-size", "two"])
+    assert "'two': use a positive int (1: Ulysses alone) or auto" in capsys.readouterr().err
+
+
+class _LiveBytes:
+    """The bytes of the storages that ops create while the mode is on, as long as they live (a finalizer per
+    storage), and their peak since :meth:`reset`. Built lazily: the class derives from TorchDispatchMode."""
+
+    @staticmethod
+    def mode() -> Any:
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        class Mode(TorchDispatchMode):
+            def __init__(self) -> None:
+                super().__init__()
+                self.live, self.peak, self.seen = 0, 0, set()
+
+            def _free(self, key: int, nbytes: int) -> None:
+                self.seen.discard(key)
+                self.live -= nbytes
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and not t._is_view():
+                        storage = t.untyped_storage()
+                        key, nbytes = storage.data_ptr(), storage.nbytes()
+                        if nbytes and key not in self.seen:
+                            self.seen.add(key)
+                            self.live += nbytes
+                            self.peak = max(self.peak, self.live)
+                            weakref.finalize(storage, self._free, key, nbytes)
+                return out
+
+            def reset(self) -> int:
+                self.peak = self.live
+                return self.live
+
+        return Mode()
+
+
+def _ring_working_sets(heads: int, kv_heads: int, dtype: str) -> tuple[int, int]:
+    """On each rank of a 2-rank ring: the bytes ring attention's forward and backward allocate beyond what it
+    keeps (the planner's moments): forward peak minus the inputs, the kept lse (and in fp32 the output, which is
+    the accumulator itself); backward peak minus what the forward kept, plus dout (the planner counts it)."""
+    import torch.distributed as dist
+
+    from lightning_longctx.attention.ring import RingLayout, ring_attention
+
+    torch.set_num_threads(1)
+    n, d, rank = 4096, 32, dist.get_rank()
+    layout, dt = RingLayout(ring_size=2, seq_len=n), getattr(torch, dtype)
+    live = _LiveBytes.mode()
+    with live:
+        g = torch.Generator().manual_seed(rank)
+        q, k, v = (
+            torch.randn(1, n // 2, hh, d, generator=g).to(dt).requires_grad_()
+            for hh in (heads, kv_heads, kv_heads)
+        )
+        dout = torch.randn(1, n // 2, heads, d, generator=g).to(dt)
+        before = live.reset()
+        out = ring_attention(q, k, v, group=None, layout=layout)
+        forward, kept = live.peak - before, live.reset()
+        out.backward(dout)
+        backward = live.peak - kept
+    q_bytes, ct = out.numel() * out.element_size(), 4
+    lse = n // 2 * heads * ct
+    return forward - lse - (q_bytes if dt == torch.float32 else 0), backward + q_bytes
+
+
+@pytest.mark.parametrize("heads, kv_heads, dtype", [(4, 4, "float32"), (4, 2, "bfloat16")])
+def test_ring_moments_are_what_ring_attention_allocates(dist_pool, heads, kv_heads, dtype):
+    """The ring's forward and backward moments (buffers + working set) equal the live tensor bytes of a real
+    ring attention at r = 2 (gloo; the fused CPU kernel, a chunk per call), MHA in fp32 and GQA in bf16."""
+    from lightning_longctx.planner.plan import plan_layout
+    from lightning_longctx.planner.terms import _ring_backward_moment, _ring_forward_moment
+
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": heads * 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads}  # fmt: skip
+    precision = {"float32": "32-true", "bfloat16": "bf16-true"}[dtype]
+    lay = plan_layout(config, seq_len=4096, sequence_parallel_size=2, ring_size=2, precision=precision)
+    planned = (sum(_ring_forward_moment(lay)), sum(_ring_backward_moment(lay)))
+    for measured in dist_pool(2).run(_ring_working_sets, heads, kv_heads, dtype):
+        assert measured == planned
+
+
+# ---- FPDT x ring (fpdt_chunk_size with ring_size): attention/fpdt_ring.py's stores, accumulators, k/v blocks ----
+
+#: 4 heads, 2 kv heads, head dim 32: the FPDT x ring configs below
+FR_MODEL = {"model_type": "llama", "vocab_size": 64, "hidden_size": 128, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+FR = dict(seq_len=4096, mode="fpdt", fpdt_chunk_size=256)
+
+
+def test_fpdt_ring_terms_are_the_hand_computed_formulas():
+    """h 4, h_kv 2, d 32, N = 4096, P = 4 as ring r = 2 x Ulysses U = 2, c = 256, fp32: K = 4 local segments
+    of S = U c = 512 tokens with h/U = 2 heads (kv 1), N/r = 2048 tokens per ring rank; a k/v segment of 128 KiB,
+    a block of 512 KiB, a 512 x 512 score tile."""
+    from lightning_longctx.planner.plan import plan_layout
+    from lightning_longctx.planner.terms import (
+        _attention_store_bytes,
+        _fpdt_ring_backward_moment,
+        _fpdt_ring_forward_moment,
+        _fpdt_score_tile_bytes,
+    )
+
+    lay = plan_layout(FR_MODEL, **FR, sequence_parallel_size=4, ring_size=2)
+    assert (lay.ring, lay.ulysses, lay.chunk, lay.segment, lay.bn, lay.t) == (2, 2, 256, 512, 2048, 1024)
+    assert (lay.heads_per_rank, lay.kv_per_rank, lay.tile, lay.segments) == (2, 1, 512, 16)
+    q, kv, seg_q, seg_kv, e = 2048 * 2 * 32, 2048 * 32, 512 * 2 * 32, 512 * 32, 4
+    kv_seg, block, seg_lse, lse = 2 * seg_kv * e, 2 * kv * e, 512 * 2 * e, 2048 * 2 * e
+    tile = 2 * 512 * 512 * e + 512 * 512
+    assert (
+        (kv_seg, block, _fpdt_score_tile_bytes(lay))
+        == (128 << 10, 512 << 10, tile)
+        == (131072, 524288, 2359296)
+    )
+    assert lay.ring_block_bytes == block and _attention_store_bytes(lay) == 2 * q * e + 2 * kv * e + lse
+    accs, unit = q * e + lse, 4 * seg_q * e + 5 * seg_lse
+    assert _fpdt_ring_forward_moment(lay) == (block, 0, accs + unit + tile) == (524288, 0, 3444736)
+    dkv_seg, dkv_block, dout_delta = 2 * seg_kv * e, 2 * kv * e, q * e + lse
+    work = q * e + q * e + 2 * (seg_q + 2 * seg_kv) * e + seg_lse + 2 * tile
+    want = (block + 2 * dkv_seg + 2 * dkv_block, 0, work + dout_delta, 0)
+    assert _fpdt_ring_backward_moment(lay) == want == (1835008, 0, 6836224, 0)
+    # offload: the stores on the host, one k/v segment fetched back and one received on the device
+    off = plan_layout(FR_MODEL, **FR, sequence_parallel_size=4, ring_size=2, offload=True)
+    assert _fpdt_ring_forward_moment(off) == (2 * kv_seg, block - kv_seg, accs + unit + seg_q * e + tile)
+    fetched = 3 * seg_q * e + 2 * seg_lse
+    assert _fpdt_ring_backward_moment(off) == (
+        2 * kv_seg + 2 * dkv_seg + 2 * dkv_block,
+        block - kv_seg,
+        work + fetched,
+        dout_delta,
+    )
+    # a ring of 4 (U = 1): the visiting store (the previous step's arriving one) beside the arriving one
+    r4 = plan_layout(FR_MODEL, **FR, sequence_parallel_size=4, ring_size=4)
+    assert _fpdt_ring_forward_moment(r4)[0] == 2 * r4.ring_block_bytes
+    # the plan: the rows, the store on the host with offload, the table's ring line
+    plan, plan_off = (
+        plan_memory(FR_MODEL, **FR, sequence_parallel_size=4, ring_size=2, offload=o) for o in (False, True)
+    )
+    assert plan.ring_size == 2 and plan.mode == "fpdt" and plan.padded_seq_len == 4096
+    assert plan["ring buffers"].largest == 1835008 and plan_off["ring buffers"].host == block - kv_seg
+    assert plan_off["activations kept for backward"].host >= _attention_store_bytes(off)
+    assert "as 4 segments of 512 tokens" in plan.table() and "(host: offload)" in plan_off.table()
+    assert "sp 4 (ring 2 x Ulysses 2) x dp 1, FPDT x ring, chunk 256 (4 per rank), 32-true" in plan.table()
+
+
+def test_fpdt_ring_pads_to_2pc_and_caps_the_chunk_and_hybrids_count_their_segments():
+    """FPDT x ring pads to 2 P c and caps c at N / 2P (``sharding.chunk_for``); a hybrid's recurrent scan runs
+    over two zigzag halves per rank in Ulysses x ring and over the FPDT chunks in FPDT x ring."""
+    from lightning_longctx.planner.plan import plan_layout
+
+    lay = plan_layout(
+        FR_MODEL, seq_len=5000, sequence_parallel_size=4, ring_size=2, mode="fpdt", fpdt_chunk_size=256
+    )
+    assert lay.padded == 6144 and lay.chunk == 256  # a multiple of 2 x 4 x 256
+    short = plan_layout(
+        FR_MODEL, seq_len=1000, sequence_parallel_size=4, ring_size=2, mode="fpdt", fpdt_chunk_size=256
+    )
+    assert (
+        short.chunk == 125 and short.padded == 1000 and short.segment == 250
+    )  # c = N / 2P: two chunks per rank
+    uly = plan_layout(GDN_TINY, seq_len=4096, sequence_parallel_size=4, ring_size=2)
+    fpdt = plan_layout(GDN_TINY, seq_len=4096, sequence_parallel_size=4, ring_size=2, mode="fpdt",
+                       fpdt_chunk_size=256)  # fmt: skip
+    assert (uly.segments, fpdt.segments) == (8, 16)  # 2 per rank; 4 chunks of 256 per rank
+    plain = plan_memory(GDN_TINY, seq_len=4096, sequence_parallel_size=4)
+    for ring in (plan_memory(GDN_TINY, seq_len=4096, sequence_parallel_size=4, ring_size=2),):
+        assert ring.ring_size == 2
+        assert ring["state exchange buffers"].largest == 2 * plain["state exchange buffers"].largest
+
+
+def _fpdt_ring_live(heads: int, kv_heads: int, offload: bool) -> tuple[int, int, int]:
+    """On each rank of sp 2 = ring 2 (U = 1), N = 4096, c = 256, fp32: ``fpdt_ring_attention``'s forward peak
+    above its inputs, what its forward keeps (its output included), its backward peak above that."""
+    import torch.distributed as dist
+
+    from lightning_longctx.attention.fpdt_ring import fpdt_ring_attention
+    from lightning_longctx.mesh import ParallelLayout, build_world_mesh
+
+    torch.set_num_threads(1)
+    n, d, rank = 4096, 32, dist.get_rank()
+    mesh = build_world_mesh(ParallelLayout(world_size=2, sp=2, ring=2), "cpu")
+    live = _LiveBytes.mode()
+    with live:
+        g = torch.Generator().manual_seed(rank)
+        q, k, v = (
+            torch.randn(1, n // 2, hh, d, generator=g).requires_grad_() for hh in (heads, kv_heads, kv_heads)
+        )
+        dout = torch.randn(1, n // 2, heads, d, generator=g)
+        before = live.reset()
+        out = fpdt_ring_attention(q, k, v, ulysses_group=mesh.ulysses_group, ring_group=mesh.ring_group,
+                                  chunk_size=256, offload=offload)  # fmt: skip
+        forward, kept = live.peak - before, live.reset() - before
+        out.backward(dout)
+        backward = live.peak - kept - before
+    return forward, kept, backward
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, offload", [(4, 4, False), (4, 4, True), (4, 2, False), (4, 2, True)]
+)
+def test_fpdt_ring_moments_are_what_fpdt_ring_attention_allocates(dist_pool, heads, kv_heads, offload):
+    """FPDT x ring's forward and backward moments (ring buffers + working set, device and host) equal the live
+    tensor bytes of a real ``fpdt_ring_attention`` at r = 2, U = 1 (gloo, fp32, the fused CPU kernel: no math
+    score tile), offload off and on (on CPU the "host" copies are clones, counted too), MHA and GQA. At U = 1 the
+    all-to-all gives views: q (and without offload out and dout) are the caller's or the store's tensors, not
+    copies. The forward peaks in the ring steps, or at the end (GQA with offload: the outputs and their
+    concatenation beside the whole store)."""
+    from lightning_longctx.planner.plan import plan_layout
+    from lightning_longctx.planner.terms import (
+        _attention_store_bytes,
+        _fpdt_ring_backward_moment,
+        _fpdt_ring_forward_moments,
+        _fpdt_score_tile_bytes,
+    )
+
+    config = {**FR_MODEL, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    lay = plan_layout(config, **FR, sequence_parallel_size=2, ring_size=2, offload=offload)
+    tile, q_bytes = _fpdt_score_tile_bytes(lay), lay.q_elems * 4
+    loop, end = _fpdt_ring_forward_moments(lay)
+    views = 0 if offload else q_bytes  # U = 1 without offload: the store's q, the outputs' out are no copies
+    # in the ring steps the store holds the stacked k/v (and q's host copy); at the end all of it
+    forward = max(lay.ring_block_bytes + q_bytes - views + sum(loop) - tile,
+                  _attention_store_bytes(lay) - views + sum(end) - views)  # fmt: skip
+    backward = sum(_fpdt_ring_backward_moment(lay)) - 2 * tile
+    for fwd, kept, bwd in dist_pool(2).run(_fpdt_ring_live, heads, kv_heads, offload):
+        assert fwd == forward
+        assert kept == _attention_store_bytes(lay) + (q_bytes if offload else 0)  # and the returned output
+        # the planner counts the output's gradient and its dout segments (views of it at U = 1 without offload)
+        assert bwd + q_bytes * (1 if offload else 2) == backward

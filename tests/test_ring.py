@@ -423,28 +423,11 @@ def test_strategy_ring_matches_one_process(dist_pool, name):
     compare_to_reference(results, arch, sp, world, 2, mkw)
 
 
-def _ring_refusal(arch: str) -> str:
-    from helpers.lightning import fit_hf
-
-    try:
-        fit_hf(arch, 2, 1, {"ring_size": 2}, {})
-    except ValueError as err:
-        return str(err)
-    return "NO ERROR"
-
-
-def test_strategy_ring_refusals(dist_pool):
-    """A hybrid model (its halos and scans follow the contiguous layout) is refused on every rank before the
-    first step; FPDT chunking, a ring that does not divide sp, and the planner refuse ring_size by name."""
+def test_strategy_ring_refusals():
+    """A ring that does not divide sp and a backend the ring cannot use are refused by name."""
     from lightning_longctx.config import SequenceParallelConfig
     from lightning_longctx.planner.plan import parallel_kwargs
 
-    for msg in dist_pool(2).run(_ring_refusal, "qwen3_5"):
-        assert "ring_size=2: Qwen3_5ForCausalLM has token mixers other than attention" in msg, msg
-    with pytest.raises(
-        ValueError, match=r"ring_size=2 with fpdt_chunk_size=4: FPDT's chunking does not compose"
-    ):
-        SequenceParallelConfig(ring_size=2, fpdt_chunk_size=4)
     with pytest.raises(ValueError, match=r"ring_size=3 must divide sequence_parallel_size=4"):
         SequenceParallelConfig(sequence_parallel_size=4, ring_size=3).resolve(4, 0, "cpu")
     with pytest.raises(
@@ -454,8 +437,7 @@ def test_strategy_ring_refusals(dist_pool):
     with pytest.raises(ValueError, match=r"ring_size=0: use a positive int"):
         SequenceParallelConfig(ring_size=0)
     resolved = SequenceParallelConfig(sequence_parallel_size=4, ring_size=2).resolve(8, 0, "cpu")
-    with pytest.raises(ValueError, match=r"the memory planner does not model Ulysses x ring yet"):
-        parallel_kwargs(resolved)
+    assert parallel_kwargs(resolved)["ring_size"] == 2  # the planner plans the ring (tests/test_planner.py)
 
 
 def test_shard_batch_ring_layout_is_the_ring_layouts():
@@ -475,3 +457,49 @@ def test_shard_batch_ring_layout_is_the_ring_layouts():
                 global_index(n // world, rank=s, world=world, chunk_size=None, ring=ring), rows[s]
             )
         assert sorted(rows.flatten().tolist()) == list(range(n))
+
+
+# ---- world 8: sp 8 = ring 2 x Ulysses 4 under the Trainer (opt-in) -------------------------------------
+
+
+def _fit_usp_world8_grads() -> tuple:
+    """One pool rank: ``fit_hf``'s results for a tiny Llama at sp 8, ring 2, and every parameter's gradient
+    at the last optimizer step (what SGD applies: after the strategy's reduction)."""
+    import lightning as L
+
+    from helpers.lightning import fit_hf
+
+    grads: dict = {}
+
+    class LastGradients(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads.update(
+                (n.removeprefix("model."), p.grad.detach().clone())
+                for n, p in pl_module.named_parameters()
+                if p.grad is not None
+            )
+
+    results = fit_hf("llama", 8, 2, {"ring_size": 2}, {}, trainer_kwargs={"callbacks": [LastGradients()]})
+    return results, grads
+
+
+@pytest.mark.slow
+@WORLD8
+def test_strategy_usp_world8_matches_one_process(dist_pool):
+    """sp 8 = ring 2 x Ulysses 4 (8 processes on 2 cores: opt-in, ``LONGCTX_WORLD8=1``): a tiny Llama (4 heads,
+    2 kv heads: one query head per Ulysses rank, the kv heads spread; 24 tokens padded to 2P = 16 x 2), every
+    parameter after 2 steps and the losses (``compare_to_reference``), and every parameter's gradient of the
+    second step on every rank, against one process."""
+    from helpers.hf_models import TokenDataset, reference_training, tiny_model
+    from helpers.lightning import SEQ, compare_to_reference
+
+    per_rank = dist_pool(8).run(_fit_usp_world8_grads)
+    compare_to_reference([r[0] for r in per_rank], "llama", 8, 8, 2, {})
+    ref = tiny_model("llama")
+    reference_training(ref, TokenDataset(2, SEQ), dp=1, batch_size=1, steps=2)  # leaves step 2's gradients
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    for rank, (_, grads) in enumerate(per_rank):
+        assert set(grads) == set(want), (rank, sorted(set(grads) ^ set(want)))
+        for name, g in want.items():
+            err = (grads[name] - g).abs().max().item() / g.abs().max().item()
+            assert err < 1e-5, f"rank {rank} {name}: gradient relative error {err:.2e}"

@@ -242,3 +242,37 @@ def test_slurm_suggests_time_and_signal_lead(tmp_path, capsys):
     with pytest.raises(SystemExit, match="2"):  # argparse's usage error
         slurm_main(["--nodes", "1", "--gpus-per-node", "8", "--config", cfg, "--signal-lead", "soon"])
     assert "'soon' is neither whole seconds nor 'auto'" in capsys.readouterr().err
+
+
+def test_ring_communication_is_the_formula_and_hides_when_n_over_r_is_long():
+    """Ulysses x ring (usp.md §5): the all-to-all runs over U = P / r ranks with kv heads spread for U; the ring
+    sends (r-1) k/v blocks forward and (r-1) k/v blocks plus r fp32 dk/dv blocks backward; a step's block hides
+    behind the step's attention when N/r is long enough (N/r >= (h_kv/h) e F / B: U cancels); r = 1 is
+    Ulysses' estimate."""
+    from lightning_longctx.planner.plan import plan_layout
+    from lightning_longctx.planner.step_time import ring_pass_bytes
+
+    n, d, e, layers = 1 << 20, 128, 2, 32
+    base = {"seq_len": n, "sequence_parallel_size": 8, "gpu": "h200", "gpus_per_node": 4, **BF16_FSDP}
+    assert estimate_step_time(LLAMA, **base, ring_size=1) == estimate_step_time(LLAMA, **base)
+    est = estimate_step_time(LLAMA, **base, ring_size=2)  # U = 4 on a node's NVLink, the ring across 2 nodes
+    dev, parts = device_spec("h200"), {c.name: c for c in est.components}
+    a2a = n // 8 * d * e * (2 * 32 + 2 * 8) * 3 / 4  # bytes one rank sends per layer and pass, over U = 4
+    assert parts["sequence all-to-all"].seconds == pytest.approx(
+        2 * layers * a2a * 3 / 4 / dev.intra_node_bandwidth
+    )
+    block = 2 * (n // 2) * (8 // 4) * d * e  # 2 (N/r) (h_kv^U / U) d e: 512 MiB
+    fwd, bwd = ring_pass_bytes(
+        plan_layout(LLAMA, ring_size=2, **{k: v for k, v in base.items() if "gpu" not in k})
+    )
+    assert (fwd, bwd) == (block, block + 2 * 2 * block)  # backward: + r fp32 dk/dv blocks (twice the bytes)
+    assert parts["ring passes"].seconds == pytest.approx(layers * (fwd + bwd) / dev.inter_node_bandwidth)
+    assert parts["ring passes"].exposed == 0.0  # 512K tokens per ring rank: hidden
+    short = {"gpu": "h200", "gpus_per_node": 1, **BF16_FSDP}
+    for P, r, N in ((8, 8, 16384), (8, 2, 4096)):  # a pure ring and ring 2 x Ulysses 4 at N / r = 2048
+        exposed = {c.name: c.exposed for c in estimate_step_time(LLAMA, seq_len=N, sequence_parallel_size=P,
+                                                                  ring_size=r, **short).components}  # fmt: skip
+        assert exposed["ring passes"] > 0, (P, r)
+        assert ("sequence all-to-all" in exposed) == (P > r), (P, r)  # a pure ring has no all-to-all
+        long = estimate_step_time(LLAMA, seq_len=N * 8, sequence_parallel_size=P, ring_size=r, **short)
+        assert {c.name: c.exposed for c in long.components}["ring passes"] == 0.0, (P, r)  # N / r = 16384

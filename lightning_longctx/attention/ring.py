@@ -324,8 +324,9 @@ class _RingAttention(SequenceParallelFunction):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None
 
 
-def _check_layout(q: torch.Tensor, layout: RingLayout, group: Group) -> int:
-    """This rank's ring rank, after checking ``layout`` against the group and q; errors name the fix."""
+def _check_layout(q: torch.Tensor, layout: RingLayout, group: Group, q_len: int) -> int:
+    """This rank's ring rank, after checking ``layout`` against the group and q's ``q_len`` tokens (the ring's
+    share: before a Ulysses all-to-all, q's length times U); errors name the fix."""
     if not isinstance(layout, RingLayout):
         raise TypeError(
             f"layout must be a RingLayout (ring_size, seq_len, kind), got {type(layout).__name__}; build one with "
@@ -337,11 +338,12 @@ def _check_layout(q: torch.Tensor, layout: RingLayout, group: Group) -> int:
             f"the ring group has {world} ranks but layout.ring_size is {layout.ring_size}; they must be equal: "
             f"pass the ring's process group, or RingLayout(ring_size={world}, ...)"
         )
-    if q.shape[1] != layout.local_len:
+    if q_len != layout.local_len:
         raise ValueError(
-            f"q holds {q.shape[1]} tokens per rank, but {layout} gives each of its {layout.ring_size} ranks "
+            f"q holds {q_len} tokens per ring rank, but {layout} gives each of its {layout.ring_size} ranks "
             f"seq_len / ring_size = {layout.local_len}; shard the whole sequence with layout.shard(x, rank) "
-            f"(or build the layout with seq_len = {q.shape[1]} x {layout.ring_size})"
+            f"(layout.sp_shard for usp_attention; or build the layout with seq_len = {q_len} x "
+            f"{layout.ring_size})"
         )
     return rank
 
@@ -365,6 +367,43 @@ def _check_documents(documents: torch.Tensor | None, q: torch.Tensor, layout: Ri
             "documents must not decrease along a row (blocks are skipped by comparing the first and last id "
             "of each chunk); number the documents in order, e.g. sharding.document_ids(global position ids)"
         )
+
+
+def _check_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: Group,
+    layout: RingLayout,
+    q_len: int,
+    sliding_window: int | None,
+    documents: torch.Tensor | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    backend: str,
+    block_size: int,
+    caller: str,
+) -> tuple[int, Any, Any]:
+    """Every check of a ring call, before any collective (``usp_attention`` runs it on every rank before its
+    all-to-all: a rank of a Ulysses group without heads never reaches the ring, and must refuse as the others
+    do, not wait for them). Returns this rank's ring rank and the block kernels (``block_kernels``)."""
+    check_qkv(q, k, v)
+    check_softcap(softcap)
+    check_sinks(sinks, q)
+    if k.dtype != v.dtype:
+        raise ValueError(
+            f"k ({k.dtype}) and v ({v.dtype}) must have the same dtype: they travel in one buffer"
+        )
+    rank = _check_layout(q, layout, group, q_len)
+    _check_documents(documents, q, layout)
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+        raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window!r}")
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive number of tokens, got {block_size!r}")
+    masked = documents is not None or sliding_window is not None
+    kernel, bias_kernel = block_kernels(backend, q, k, softcap=softcap, masked=masked, caller=caller)
+    return rank, kernel, bias_kernel
 
 
 def ring_attention(
@@ -408,23 +447,11 @@ def ring_attention(
         ``(b, N/r, h, d)`` in q's dtype and ``layout``'s local order. Every rank of ``group`` must call it
         (and its backward): a rank with nothing to compute on a step still passes the k/v on.
     """
-    check_qkv(q, k, v)
-    check_softcap(softcap)
-    check_sinks(sinks, q)
-    if k.dtype != v.dtype:
-        raise ValueError(
-            f"k ({k.dtype}) and v ({v.dtype}) must have the same dtype: they travel in one buffer"
-        )
-    rank = _check_layout(q, layout, group)
-    _check_documents(documents, q, layout)
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
-        raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window!r}")
-    if not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive number of tokens, got {block_size!r}")
-    masked = documents is not None or sliding_window is not None
-    kernel, bias_kernel = block_kernels(
-        backend, q, k, softcap=softcap, masked=masked, caller="ring_attention"
-    )
+    rank, kernel, bias_kernel = _check_call(
+        q, k, v, group=group, layout=layout, q_len=q.shape[1], sliding_window=sliding_window,
+        documents=documents, softcap=softcap, sinks=sinks, backend=backend, block_size=block_size,
+        caller="ring_attention",
+    )  # fmt: skip
     plan = _plan(layout, causal, sliding_window, documents, block_size, kernel, bias_kernel)
     scale = default_scale(q.shape[-1], softmax_scale)
     call = _RingCall(group, layout, plan, scale, softcap, _schedule(layout, plan, rank))
@@ -473,15 +500,20 @@ def usp_attention(
     blocks have one shape even with an uneven head split. ``sinks`` ``(h,)``: each rank uses its heads' and
     gives them the gradient of its rows: summed over the sp group it is exact. The other arguments are
     :func:`ring_attention`'s."""
-    check_qkv(q, k, v)
-    check_sinks(sinks, q)
     h = q.shape[2]
     _, ulysses = group_rank_size(ulysses_group)
+    _check_call(
+        q, k, v, group=ring_group, layout=layout, q_len=q.shape[1] * ulysses, sliding_window=sliding_window,
+        documents=documents, softcap=softcap, sinks=sinks, backend=backend, block_size=block_size,
+        caller="usp_attention",
+    )  # fmt: skip  # on every rank, before the all-to-all: ranks without heads refuse too
     k, v = spread_kv_heads(k, v, h, ulysses)  # outside the Functions: autograd sums the copies' gradients
     q_h, k_h, v_h = seq_to_head_packed(q, k, v, group=ulysses_group)  # (b, N/r, h_u, d): ring rank j's tokens
     my_sinks = None if sinks is None else sinks[local_heads(h, ulysses_group)]
     if q_h.shape[2] == 0:  # fewer heads than Ulysses ranks: this rank, and its whole ring (same u), has none
-        return head_to_seq(q_h.clone(), h, ulysses_group)
+        out = head_to_seq(q_h.clone(), h, ulysses_group)
+        # + 0 exactly (a sum over no heads): the sinks get their zero gradient here too, as on every other rank
+        return out if my_sinks is None else out + my_sinks.sum().to(out.dtype)
     out = ring_attention(
         q_h, k_h, v_h, group=ring_group, layout=layout, causal=causal, softmax_scale=softmax_scale,
         sliding_window=sliding_window, documents=documents, softcap=softcap, sinks=my_sinks, backend=backend,

@@ -144,7 +144,7 @@ class SequenceParallelContext:
     def local_chunk(self, local_len: int) -> int | None:
         """The FPDT chunk of a call whose shard holds ``local_len`` tokens (``None`` under Ulysses)."""
         c = self.chunk_size
-        return None if c is None else local_chunk(c, local_len)
+        return None if c is None else local_chunk(c, local_len, self.ring)
 
     def documents_for(self, position_ids: torch.Tensor | None) -> tuple[bool, torch.Tensor | None]:
         """``(known, documents)`` for attention's ``position_ids``: the batch's document ids when they are

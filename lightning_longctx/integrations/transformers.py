@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from lightning_longctx.attention.fpdt import fpdt_attention
+from lightning_longctx.attention.fpdt_ring import fpdt_ring_attention
 from lightning_longctx.attention.ring import RingLayout, usp_attention
 from lightning_longctx.attention.ulysses import ulysses_attention
 from lightning_longctx.comm import Group, group_rank_size
@@ -138,14 +139,23 @@ def _hf_attention(
     # gpt-oss passes its sinks as s_aux (num_heads,): whole, each rank takes its own heads' slice
     features = dict(sliding_window=sliding_window, softcap=softcap or None, sinks=kwargs.get("s_aux"))
     chunk = ctx.local_chunk(q.shape[1])  # short sequences: one chunk of their local length
-    if ctx.ring > 1:  # Ulysses x ring: zigzag over the ring (sharding.py), global document ids
+    if ctx.ring > 1:  # Ulysses (or FPDT) x ring: zigzag over the ring (sharding.py), global document ids
         if not known and position_ids is not None:
-            documents = document_ids(gather_sequence(position_ids, group=ctx.group, ring=ctx.ring))
-        layout = RingLayout(ring_size=ctx.ring, seq_len=q.shape[1] * ctx.sp_size, kind="zigzag")
-        out = usp_attention(
-            q, k, v, ulysses_group=ctx.ulysses_group, ring_group=ctx.ring_group, layout=layout, causal=causal,
-            softmax_scale=scaling, documents=documents, backend=cfg.settings.attention_backend, **features,
-        )  # fmt: skip
+            full = gather_sequence(position_ids, group=ctx.group, chunk_size=chunk, ring=ctx.ring)
+            documents = document_ids(full)
+        groups = dict(ulysses_group=ctx.ulysses_group, ring_group=ctx.ring_group)
+        backend = cfg.settings.attention_backend
+        if chunk is None:
+            layout = RingLayout(ring_size=ctx.ring, seq_len=q.shape[1] * ctx.sp_size, kind="zigzag")
+            out = usp_attention(
+                q, k, v, **groups, layout=layout, causal=causal, softmax_scale=scaling, documents=documents,
+                backend=backend, **features,
+            )  # fmt: skip
+        else:
+            out = fpdt_ring_attention(
+                q, k, v, **groups, chunk_size=chunk, causal=causal, softmax_scale=scaling, documents=documents,
+                backend=backend, offload=cfg.offload, **features,
+            )  # fmt: skip
     elif chunk is None:
         out = ulysses_attention(q, k, v, **features, **common)
     else:
@@ -405,11 +415,6 @@ def enable_sequence_parallel(
         )
     mixers = find_mixers(model)  # hybrid models: convolutions, linear attention, state-space scans
     ring = config.layout.ring
-    if ring > 1 and mixers:
-        raise ValueError(
-            f"ring_size={ring}: {name} has token mixers other than attention ({type(mixers[0]).__name__}), whose "
-            "halos and state scans follow the contiguous layout, not the ring's zigzag; use ring_size=1"
-        )
     if ring > 1 and (ring_groups is None or len(ring_groups) != 2):
         raise ValueError(
             f"ring_size={ring} needs ring_groups=(ring_group, ulysses_group), the world mesh's "

@@ -54,6 +54,33 @@ config's dims, ``w`` the (master) parameter bytes, ``pw`` the bytes of the param
   over tp; those per head (q/k/v, out, lse, the o_proj input, the all-to-all buffers, the attention working
   set: ``H/tp`` heads before the sp split) and the MLP's intermediates are ``/ tp``.
 
+* **Ulysses x ring** (``ring_size = r``, Ulysses mode; ``"auto"``: ``config.auto_ring_size``): the all-to-all
+  runs over ``U = P / r`` ranks (kv heads copied for U, not P) and each rank holds ``b * N / r`` tokens of
+  ``H / U`` heads in head layout (its q/k/v/out/lse: as many as Ulysses' ``N / P`` tokens of ``H`` heads); the
+  sequence pads to ``2P``. **ring buffers**: two k/v blocks of ``2 * b * (N/r) * (H_kv'/U) * hd`` elements in
+  flight in forward; in backward the visiting k/v block(s) and three fp32 dk/dv blocks (accumulating, sent,
+  received). The attention working set adds the fp32 output accumulator and one kernel call's merge in forward
+  (a call: a zigzag chunk of ``N / 2r`` rows), and dout, ``delta``, the fp32 dq accumulator and two calls' fp32
+  dq/dk/dv in backward (``terms._ring_forward_moment`` / ``_ring_backward_moment``: the largest moments of
+  ``attention/ring.py``'s loop, equal to a real ring's live tensor bytes, tests/test_planner.py).
+
+* **FPDT x ring** (``fpdt_chunk_size = c`` with ``ring_size = r``; ``attention/fpdt_ring.py``): ``K = N / (r U
+  c)`` local segments of ``S = U c`` tokens per rank (``c`` capped at ``N / 2P``, the sequence padded to ``2 P
+  c``). The store (q, stacked k/v in q's dtype, out, fp32 lse; dout and delta in backward) is the activations'
+  FPDT chunks, on the host with offload. **ring buffers**: the ``arriving`` store of the next step's k/v block
+  ``2 * b * (N/r) * (H_kv'/U) * hd`` (and the visiting one beside it when r > 2), on the device, or with
+  offload on the host less the segment being received, with two k/v segments on the device; in backward also
+  the visiting segment's fp32 dk/dv and the K dk/dv passes one hop behind (send + receive: two fp32 dk/dv
+  blocks) and the last received dk/dv segment. The attention working set: the fp32 out/lse accumulators of all
+  K segments, one unit's fp32 output and merge, FPDT's score tile (forward; or at its end the outputs and
+  their concatenation, when larger); the output's gradient, the fp32 dq accumulators, one unit's and the
+  previous unit's fp32 dq/dk/dv, two score tiles (backward) (``terms._fpdt_ring_forward_moment`` /
+  ``_fpdt_ring_backward_moment``: equal to a real ``fpdt_ring_attention``'s live tensor bytes but the math
+  score tile, tests/test_planner.py).
+* **hybrids under a ring**: the recurrent layers' scan runs over two zigzag halves of ``N / 2P`` tokens per
+  rank in Ulysses x ring (``2P`` segments), over the FPDT chunks in FPDT x ring (``P * K``); the state
+  exchange buffers count those segments.
+
 * **hybrid models** (layer kinds from ``config.layer_types`` / ``layers_block_type``, or the model type when
   attention-free): gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-hybrid) and Mamba-2 layers (Mamba2, Bamba,
   Falcon-H1, whose layers run attention and Mamba-2 side by side; Granite-4 hybrid and Nemotron-H as far as
@@ -126,6 +153,7 @@ from lightning_longctx.planner.plan import (
     step_plan_kwargs,
 )
 from lightning_longctx.planner.report import MemoryComponent, MemoryPlan, format_bytes, parse_bytes
+from lightning_longctx.planner.ring_size import RingChoice, ring_choice
 from lightning_longctx.planner.step_time import StepTimeEstimate, calibrate_cpu, estimate_step_time
 
 __all__ = [
@@ -137,6 +165,7 @@ __all__ = [
     "DeviceSpec",
     "MemoryComponent",
     "MemoryPlan",
+    "RingChoice",
     "StepTimeEstimate",
     "calibrate_cpu",
     "device_spec",
@@ -147,5 +176,6 @@ __all__ = [
     "parse_bytes",
     "plan_memory",
     "resolve_parallel",
+    "ring_choice",
     "step_plan_kwargs",
 ]

@@ -91,7 +91,8 @@ class _Layout:
     dp: int
     b: int  # micro batch: sequences per device
     t: int  # tokens per rank: b * padded / sp
-    bn: int  # tokens of the sequences, seen by each rank in head layout: b * padded
+    bn: int  # tokens each rank sees in head layout: b * padded (with a ring: its ring rank's, b * padded / ring)
+    ring: int  # ring_size r: ring attention over r groups of U = sp / r Ulysses ranks (1: Ulysses alone)
     mode: str
     chunk: int | None  # FPDT tokens per chunk per rank (capped at the local length)
     loss_chunk: int | None  # FPDT's lm_head + loss chunk (tokens)
@@ -112,9 +113,9 @@ class _Layout:
     cpu_offload: bool  # FSDP2's CPUOffloadPolicy: weights, gradients, optimizer state on the host
     lora: int  # LoRA adapter parameters of all blocks (0: every parameter trains)
     lora_block: int  # one block's adapter parameters
-    kv_heads: int  # TP-local kv heads after the replication for the all-to-all (spread_kv_heads)
-    heads_per_rank: int  # query heads per rank after the all-to-all (the largest rank's, uneven splits)
-    kv_per_rank: int  # kv heads per rank after the all-to-all
+    kv_heads: int  # TP-local kv heads after the replication for the all-to-all over U (spread_kv_heads)
+    heads_per_rank: int  # query heads per rank after the all-to-all over U (the largest rank's: uneven split)
+    kv_per_rank: int  # kv heads per rank after the all-to-all over U
     tp: int  # tensor_parallel_size: ranks that split every layer's weights (and its heads, its MLP width)
     vocab_parallel: bool  # FPDT + tp: the untied lm_head split over the vocabulary (V / tp rows per rank)
     lora_rank: int | None
@@ -136,6 +137,18 @@ class _Layout:
         return self.mode == "fpdt"
 
     @property
+    def ulysses(self) -> int:
+        """U = sp / ring: the ranks of one all-to-all (sp without a ring)."""
+        return self.sp // self.ring
+
+    @property
+    def ring_block_bytes(self) -> int:
+        """One k/v message of the ring, ``(2, b, N/r, H_kv'/U, hd)`` in the k/v dtype: what each ring step
+        passes, at kv-head size (``H_kv'``: the kv heads spread for U; never expanded to the query heads); FPDT x
+        ring stacks k and v in q's dtype (:attr:`qa`). 0 without a ring."""
+        return 2 * self.kv_elems * self.qa if self.ring > 1 else 0
+
+    @property
     def blocks(self) -> tuple[_Block, ...]:
         """Each decoder layer's mixers and MLP (all Llama blocks unless the model is a hybrid)."""
         return self.shape.blocks or (_LLAMA_BLOCK,) * self.shape.layers
@@ -150,9 +163,11 @@ class _Layout:
 
     @property
     def segments(self) -> int:
-        """Segments of one sequence the recurrent mixers' state scan runs over: one per rank, one per local
-        FPDT chunk in the FPDT layout."""
-        return self.sp * (self.t // (self.b * self.chunk) if self.fpdt else 1)
+        """Segments of one sequence the recurrent mixers' state scan (and conv halo) runs over: one per rank, one
+        per local FPDT chunk in the FPDT layout (FPDT x ring too); Ulysses x ring: two per rank, its two zigzag
+        halves of ``N / 2P`` tokens."""
+        per_rank = self.t // (self.b * self.chunk) if self.fpdt else 2 if self.ring > 1 else 1
+        return self.sp * per_rank
 
     @property
     def casting(self) -> bool:
@@ -243,12 +258,13 @@ class _Layout:
 
     @property
     def q_elems(self) -> int:
-        """One rank's q (or out) in head layout: ``(b, N, H/P, hd)`` elements."""
+        """One rank's q (or out) in head layout: ``(b, N, H/P, hd)`` elements (a ring: ``(b, N/r, H/U, hd)``)."""
         return self.bn * self.heads_per_rank * self.shape.head_dim
 
     @property
     def kv_elems(self) -> int:
-        """One rank's k (or v) in head layout: ``(b, N, H_kv'/P, hd)`` elements."""
+        """One rank's k (or v) in head layout: ``(b, N, H_kv'/P, hd)`` elements (a ring: ``(b, N/r, H_kv'/U,
+        hd)``)."""
         return self.bn * self.kv_per_rank * self.shape.head_dim
 
     @property
@@ -264,8 +280,9 @@ class _Layout:
 
     @property
     def segment(self) -> int:
-        """Tokens of one FPDT segment (one chunk of every rank, after the all-to-all); Ulysses: all of them."""
-        return self.b * self.sp * self.chunk if self.fpdt else self.bn
+        """Tokens of one FPDT segment (one chunk of every rank of the all-to-all: ``U * c``, after it; ``P * c``
+        without a ring); Ulysses: all of them."""
+        return self.b * self.ulysses * self.chunk if self.fpdt else self.bn
 
     @property
     def tile(self) -> int:
@@ -310,6 +327,7 @@ def build_layout(
         )
     if tp > 1:
         _check_tp(shape, tp)
+    ring = parallel.layout.ring
     w, pw, m, r, autocast, mp = _dtypes(precision, param_dtype, settings.data_parallel)
     memory = None if device_memory is None else parse_bytes(device_memory)
     host = None if host_memory is None else parse_bytes(host_memory)
@@ -327,18 +345,22 @@ def build_layout(
             shape.vocab // tp if vocab_parallel else shape.vocab
         )
         mlp_chunk = settings.mlp_chunk_size or settings.fpdt_chunk_size
-    multiple = P * (chunk or 1)
+    # shard_batch's padding: sp (x chunk with FPDT; x 2 with a ring: its 2r zigzag chunks, each split over U;
+    # FPDT x ring: 2 * P * c, its chunk capped at N / 2P by chunk_for)
+    multiple = P * (chunk or 1) * (2 if ring > 1 else 1)
     padded = -(-seq_len // multiple) * multiple
     heads, kv_heads = shape.heads // tp, shape.kv_heads // tp  # the TP-local heads the attention receives
-    kv = kv_heads * kv_repeat_factor(heads, kv_heads, P)
+    U = P // ring  # the all-to-all's ranks: kv heads are spread for U, not P (usp_attention)
+    kv = kv_heads * kv_repeat_factor(heads, kv_heads, U)
     return _Layout(
-        shape=shape, seq_len=seq_len, padded=padded, sp=P, dp=dp, b=b, t=b * padded // P, bn=b * padded,
+        shape=shape, seq_len=seq_len, padded=padded, sp=P, dp=dp, b=b, t=b * padded // P,
+        bn=b * padded // ring, ring=ring,
         mode="fpdt" if fpdt else "ulysses", chunk=chunk, loss_chunk=loss_chunk, mlp_chunk=mlp_chunk,
         offload=parallel.offload, checkpointing=parallel.activation_checkpointing,  # activation offload implies it
         activation_offload=settings.activation_offload, data_parallel=settings.data_parallel,
         optimizer=optimizer.lower(), states=OPTIMIZER_STATES[optimizer.lower()], precision=str(precision), w=w,
         pw=pw, m=m, r=r, autocast=autocast, mp_policy=mp, cpu_offload=settings.cpu_offload, lora=lora,
-        lora_block=lora_block, kv_heads=kv, heads_per_rank=-(-heads // P), kv_per_rank=-(-kv // P),
+        lora_block=lora_block, kv_heads=kv, heads_per_rank=-(-heads // U), kv_per_rank=-(-kv // U),
         lora_rank=lora_rank, tp=tp, vocab_parallel=vocab_parallel,
         device_memory=memory, host_memory=host, devices_per_host=per_host,
         fixed_device_reserve=None if device_reserve is None else parse_bytes(device_reserve),

@@ -42,6 +42,8 @@ from lightning_longctx.planner.terms import (
     _recomputed_layer_attention,
     _recomputed_layer_mlp,
     _recomputed_o_proj_input,
+    _ring_backward_buffers,
+    _ring_forward_buffers,
     _running_layer_chunk_store,
     _running_layer_input,
     _saved_activations,
@@ -94,6 +96,8 @@ _PHASE_TABLE: tuple[tuple[Callable[[_Layout], _Term], str], ...] = (
     (_attention_forward,                 "x     -     -      -      -     -     -"),
     (_attention_backward,                "-     -     -      -      x     -     -"),
     (_all_to_all_buffers,                "x     -     -      -      x     -     -"),
+    (_ring_forward_buffers,              "x     -     -      -      -     -     -"),
+    (_ring_backward_buffers,             "-     -     -      -      x     -     -"),
     (_state_exchange_buffers,            "x     -     -      -      x     -     -"),
     (_mlp_forward,                       "-     x     -      -      -     -     -"),
     (_mlp_backward,                      "-     -     -      -      -     x     -"),
@@ -205,4 +209,5 @@ def evaluate(lay: _Layout) -> MemoryPlan:
         tensor_parallel_size=lay.tp,
         vocab_parallel=lay.vocab_parallel,
         local_params=lay.local_params,
+        ring_size=lay.ring,
     )

@@ -4,11 +4,18 @@ inputs (:func:`step_plan_kwargs`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
-from lightning_longctx.config import DEFAULT_FPDT_CHUNK_SIZE, MODES, ResolvedConfig, SequenceParallelConfig
-from lightning_longctx.planner.layout import ALL_LINEAR, _check_int, build_layout
+from lightning_longctx.config import (
+    DEFAULT_FPDT_CHUNK_SIZE,
+    MODES,
+    ResolvedConfig,
+    SequenceParallelConfig,
+    auto_ring_size,
+)
+from lightning_longctx.planner.layout import ALL_LINEAR, _check_int, _Layout, build_layout
 from lightning_longctx.planner.phases import evaluate
 from lightning_longctx.planner.report import MemoryPlan, parse_bytes
 from lightning_longctx.planner.shapes import model_shape
@@ -21,6 +28,7 @@ def plan_memory(
     sequence_parallel_size: int,
     data_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
+    ring_size: int | str = 1,
     mode: str = "ulysses",
     fpdt_chunk_size: int | None = None,
     offload: bool = False,
@@ -60,6 +68,12 @@ def plan_memory(
             chunked loss, ``(chunk, V / tp)`` blocks), else replicated. Activations of hidden width (residual
             stream, norms, the o/down projections' outputs, checkpointed layer inputs) are replicated over tp;
             those per head (q/k/v, attention output, lse, all-to-all buffers) and the MLP's intermediates / tp.
+        ring_size: r, ring attention over r groups of ``U = P / r`` Ulysses ranks (the strategy's ``ring_size``;
+            with FPDT: FPDT x ring, segments of ``U * chunk`` tokens, chunk capped at ``N / 2P``, padded to
+            ``2 * P * chunk``): the all-to-all runs over U ranks (kv heads replicated for U, not P), each rank holds
+            ``N / r`` tokens and ``H / U`` heads in head layout, and the ring's k/v blocks (two in flight) and
+            fp32 dk/dv blocks are the **ring buffers** row; ``"auto"``: ``config.auto_ring_size`` of P and the
+            TP-local heads (1 while P fits them). The sequence is padded to a multiple of ``2 * P``.
         mode: ``"ulysses"`` or ``"fpdt"``. fpdt_chunk_size: tokens per chunk per rank (FPDT; default
             4096, capped at the local length as the strategy does; read with ``mode="fpdt"`` only: the strategy's
             ``fpdt_chunk_size``). offload: FPDT's chunks in host memory.
@@ -100,6 +114,8 @@ def plan_memory(
         sequence_parallel_size=sequence_parallel_size,
         data_parallel_size=data_parallel_size,
         tensor_parallel_size=tensor_parallel_size,
+        ring_size=ring_size,
+        attention_heads=shape.heads,
         mode=mode,
         fpdt_chunk_size=fpdt_chunk_size,
         offload=offload,
@@ -135,6 +151,8 @@ def resolve_parallel(
     sequence_parallel_size: int,
     data_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
+    ring_size: int | str = 1,
+    attention_heads: int | None = None,
     mode: str = "ulysses",
     fpdt_chunk_size: int | None = None,
     offload: bool = False,
@@ -152,7 +170,9 @@ def resolve_parallel(
     ``SequenceParallelConfig`` validates them, so a bad setting raises the strategy's own error; only what has
     no field there is checked here: ``mode`` (``"fpdt"`` is a non-None ``fpdt_chunk_size``, 4096 by default),
     the data-parallel size (the world's) and the devices per host. The device type is CUDA (a plan is a GPU
-    run's): ``offload="auto"`` is on with FPDT."""
+    run's): ``offload="auto"`` is on with FPDT. ``ring_size="auto"`` is settled here, by
+    :func:`~lightning_longctx.config.auto_ring_size` of the sp size and the model's ``attention_heads`` per
+    tensor-parallel rank."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is unknown; use 'ulysses' or 'fpdt' (chunked, optionally offloaded)")
     if sequence_parallel_size == "auto":
@@ -163,10 +183,17 @@ def resolve_parallel(
     dp = _check_int("data_parallel_size", data_parallel_size)
     if devices_per_host is not None:
         _check_int("devices_per_host", devices_per_host)
+    auto = ring_size == "auto"
+    if auto and attention_heads is None:
+        raise ValueError(
+            "ring_size='auto' picks r from the model's attention heads: pass attention_heads= (plan_memory reads "
+            "them from the model config) or a ring_size"
+        )
     chunk = DEFAULT_FPDT_CHUNK_SIZE if fpdt_chunk_size is None else fpdt_chunk_size
     settings = SequenceParallelConfig(
         sequence_parallel_size=sequence_parallel_size,
         tensor_parallel_size=tensor_parallel_size,
+        ring_size=1 if auto else ring_size,  # type: ignore[arg-type]  # validated by the config
         fpdt_chunk_size=chunk if mode == "fpdt" else None,
         offload=offload,
         activation_checkpointing=activation_checkpointing,
@@ -176,6 +203,10 @@ def resolve_parallel(
         mlp_chunk_size=mlp_chunk_size,
         cpu_offload=cpu_offload,
     )
+    if auto:  # the TP-local heads: the all-to-all splits those
+        heads = max(1, int(attention_heads) // settings.tensor_parallel_size)  # type: ignore[arg-type]
+        ring = auto_ring_size(int(settings.sequence_parallel_size), heads)
+        settings = dataclasses.replace(settings, ring_size=ring)
     world = dp * int(settings.sequence_parallel_size) * settings.tensor_parallel_size
     return settings.resolve(world_size=world, devices_per_node=devices_per_host or 0, device_type="cuda")
 
@@ -183,18 +214,14 @@ def resolve_parallel(
 def parallel_kwargs(parallel: ResolvedConfig) -> dict[str, Any]:
     """The :func:`plan_memory` / :func:`longest_sequence` keywords a resolved strategy configuration fixes
     (``SequenceParallelConfig(...).resolve(...)``): the one mapping from the strategy's settings to the
-    plan, so ``plan_memory(model_config, seq_len=N, **parallel_kwargs(cfg))`` plans what the strategy runs."""
+    plan, so ``plan_memory(model_config, seq_len=N, **parallel_kwargs(cfg))`` plans what the strategy runs (its
+    Ulysses x ring layout included)."""
     given = parallel.settings
-    if parallel.layout.ring > 1:
-        raise ValueError(
-            f"ring_size={parallel.layout.ring}: the memory planner does not model Ulysses x ring yet (the ring's "
-            "two k/v blocks per rank and its fp32 dk/dv); plan the same sequence_parallel_size with ring_size=1 "
-            "for the weights, optimizer state and per-token activations, which do not change"
-        )
     return {
         "sequence_parallel_size": parallel.sp,
         "data_parallel_size": parallel.dp,
         "tensor_parallel_size": parallel.tp,
+        "ring_size": parallel.layout.ring,  # settled ("auto" against the model's heads) when resolved
         "mode": parallel.mode,
         "fpdt_chunk_size": given.fpdt_chunk_size,
         "offload": parallel.offload,
@@ -243,7 +270,8 @@ def longest_sequence(
     """The largest ``seq_len`` whose plan (:func:`plan_memory`) fits ``device_memory`` per device, with its
     reserve, and ``host_memory`` per host when given (both are :attr:`MemoryPlan.fits`).
 
-    Searched over multiples of ``P * fpdt_chunk_size`` (FPDT) or of ``P * 1024`` (Ulysses); the other
+    Searched over multiples of ``P * fpdt_chunk_size`` (FPDT; ``2 * P * fpdt_chunk_size`` in FPDT x ring) or of
+    ``P * 1024`` (Ulysses); the other
     keyword arguments are :func:`plan_memory`'s (``tensor_parallel_size`` among them: the search step does not
     depend on it). Returns 0 when not even one multiple fits.
     """
@@ -252,10 +280,14 @@ def longest_sequence(
     memory = parse_bytes(device_memory)
     names = inspect.signature(resolve_parallel).parameters
     parallel = resolve_parallel(
-        sequence_parallel_size=sequence_parallel_size, **{k: v for k, v in kwargs.items() if k in names}
+        sequence_parallel_size=sequence_parallel_size,
+        attention_heads=model_shape(config).heads,
+        **{k: v for k, v in kwargs.items() if k in names},
     )
     P, chunk = parallel.sp, parallel.settings.fpdt_chunk_size  # a chunk: FPDT
-    step = P * (1024 if chunk is None else chunk)
+    step = P * (1024 if chunk is None else chunk)  # a multiple of 2P: a ring's zigzag padding too
+    if chunk is not None and parallel.layout.ring > 1:  # FPDT x ring pads to 2 P c
+        step *= 2
 
     def fits(k: int) -> bool:
         plan = plan_memory(config, seq_len=k * step, sequence_parallel_size=P, device_memory=memory, **kwargs)
@@ -272,3 +304,22 @@ def longest_sequence(
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo * step
+
+
+def plan_layout(config: Any, *, seq_len: int, sequence_parallel_size: int, **kwargs: Any) -> _Layout:
+    """The per-rank layout :func:`plan_memory` evaluates for the same keywords (tokens and heads per rank, the
+    ring's r and U, dtype sizes), for what reads the layout itself (``ring_size.py``)."""
+    parallel_names = inspect.signature(resolve_parallel).parameters
+    layout_names = inspect.signature(build_layout).parameters
+    unknown = sorted(set(kwargs) - set(parallel_names) - set(layout_names))
+    if unknown:
+        raise TypeError(f"plan_layout() got unknown keywords {unknown}; it takes plan_memory's keywords")
+    shape = model_shape(config)
+    parallel = resolve_parallel(
+        sequence_parallel_size=sequence_parallel_size,
+        attention_heads=shape.heads,
+        **{k: v for k, v in kwargs.items() if k in parallel_names and k != "attention_heads"},
+    )
+    return build_layout(
+        shape, parallel, seq_len=seq_len, **{k: v for k, v in kwargs.items() if k in layout_names}
+    )

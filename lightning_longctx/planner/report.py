@@ -105,6 +105,7 @@ class MemoryPlan:
     tensor_parallel_size: int = 1
     vocab_parallel: bool = False  # the lm_head split over the vocabulary across the tp ranks (FPDT's loss)
     local_params: int = 0  # one tensor-parallel rank's parameters (all of them with tp = 1), before FSDP
+    ring_size: int = 1  # ring attention's r (Ulysses over sp / r ranks); 1: Ulysses alone
     #: "cuda" or "cpu": what the table says the device reserve holds (an init argument, not a field, so the
     #: JSON of a plan keeps its keys)
     device_type: dataclasses.InitVar[str] = "cuda"
@@ -163,6 +164,8 @@ class MemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data: settings, components, phases and totals (bytes)."""
         out = dataclasses.asdict(self)
+        if self.ring_size == 1:  # the key comes with a ring: a plan without one keeps the JSON it always had
+            del out["ring_size"]
         out["components"] = [dataclasses.asdict(c) for c in self.components]
         out["phases"] = [{"phase": p, "device": d, "host": h} for p, d, h in self.phases]
         out.update(fits=self.fits, binding=self.binding, device_needed=self.device_needed,
@@ -197,6 +200,10 @@ class MemoryPlan:
         if self.micro_batch_size > 1:
             extras.append(f"micro batch {self.micro_batch_size}")
         tp = f" x tp {self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
+        if self.ring_size > 1:
+            sp = self.sequence_parallel_size
+            tp = f" (ring {self.ring_size} x Ulysses {sp // self.ring_size}){tp}"
+            mode = f"FPDT x ring, {mode.removeprefix('FPDT ')}" if self.mode == "fpdt" else "Ulysses x ring"
         return (
             f"{self.model} ({_count(self.params)} params), {n}, sp {self.sequence_parallel_size}{tp} x dp "
             f"{self.data_parallel_size}, {mode}, {', '.join(extras)}: {self.tokens_per_device:,} tokens per device"

@@ -265,13 +265,19 @@ def estimate_step_time(
             f"estimate_step_time() got unknown keywords {unknown}; it takes plan_memory's keywords"
         )
     per_node = gpus_per_node or plan_kwargs.get("devices_per_host")
+    shape = model_shape(config)
     parallel = resolve_parallel(
         sequence_parallel_size=sequence_parallel_size,
-        **{k: v for k, v in plan_kwargs.items() if k in parallel_names and k != "devices_per_host"},
+        attention_heads=shape.heads,
+        **{
+            k: v
+            for k, v in plan_kwargs.items()
+            if k in parallel_names and k not in ("devices_per_host", "attention_heads")
+        },
         devices_per_host=per_node,
     )
     lay = build_layout(
-        model_shape(config),
+        shape,
         parallel,
         seq_len=seq_len,
         **{k: v for k, v in plan_kwargs.items() if k in layout_names and k not in ("seq_len",)},
@@ -355,15 +361,30 @@ def _compute(
     row = lay.padded
     tiles: tuple[float, int] | None = None  # FPDT: (one full tile's forward seconds, segments per layer)
     attn_s = 0.0
+    pass_s = [
+        0.0,
+        0.0,
+    ]  # one forward and one backward pass of the attention layers (the ring's steps hide in them)
     fwd_flops_total = 0.0
-    seg = lay.segment // lay.b if fpdt else row  # tokens of one kernel call's queries and keys
+    ring = lay.ring
+    # tokens of one kernel call's queries and keys: FPDT's segment, a ring's zigzag chunk, else the row
+    seg = lay.segment // lay.b if fpdt else row // (2 * ring) if ring > 1 else row
     u = max(1, lay.t // (lay.b * lay.chunk)) if fpdt else 1  # FPDT: segments per row
     for w in windows:
         keys = _keys_per_query(row, w, document)
-        f = 4.0 * h * hd * lay.bn * keys  # forward FLOPs of one layer on this rank
+        f = 4.0 * h * hd * lay.bn * keys  # forward FLOPs of one layer on this rank (a ring: bn = b N / r)
         call = min(seg, document or row, w or row)
         rf, rb = kernel.rates(call, causal=True)
-        if fpdt and u > 1 and document is None and w is None:
+        if ring > 1 and document is None and w is None:
+            # a ring rank's 2 causal diagonal chunk blocks (half each) of its 2r chunk-block equivalents, the rest
+            # full blocks: the diagonal's share is 1 / (2r)
+            diag = f / (2 * ring)
+            ff, fb = kernel.rates(call, causal=False)
+            fwd, bwd = diag / rf + (f - diag) / ff, 2.5 * diag / rb + 2.5 * (f - diag) / fb
+            seconds = fwd * (2 if ckpt else 1) + bwd
+            pass_s[0] += fwd
+            pass_s[1] += bwd
+        elif fpdt and u > 1 and document is None and w is None:
             # u causal diagonal tiles (half) and u(u-1)/2 full tiles below them: u^2/2 full-tile equivalents
             diag = f / u**2  # the diagonal tiles' share: u / 2 of u^2 / 2
             ff, fb = kernel.rates(call, causal=False)
@@ -371,6 +392,8 @@ def _compute(
             seconds += (f - diag) / ff * (2 if ckpt else 1) + 2.5 * (f - diag) / fb
         else:
             seconds = f / rf * (2 if ckpt else 1) + 2.5 * f / rb
+            pass_s[0] += f / rf
+            pass_s[1] += 2.5 * f / rb
         attn_s += seconds
         fwd_flops_total += f
     n_attn = len(windows)
@@ -431,6 +454,9 @@ def _compute(
     )
     return {
         "attention_tiles": tiles,
+        "attention_pass_s": tuple(
+            x / max(n_attn, 1) for x in pass_s
+        ),  # one attention layer's forward, backward
         "layer_s": per_layer_compute / max(layers, 1),
         "backward_s": per_layer_compute * 2.0 / (3 + (1 if ckpt else 0)),
     }
@@ -449,15 +475,17 @@ def _communication(
     parts: dict[str, Any],
     walk: _Walk,
 ) -> None:
-    s, t, m, P, tp = lay.shape, lay.t, lay.m, lay.sp, lay.tp
+    s, t, m, tp = lay.shape, lay.t, lay.m, lay.tp
     ckpt = lay.checkpointing
     passes = 2 + (1 if ckpt else 0)  # forward, backward, recompute
     hd = s.head_dim
-    # ---- Ulysses / FPDT all-to-all: q, k, v to head layout, out back (backward: the gradients) ----
-    if P > 1 and lay.attention_layers:
+    # ---- Ulysses / FPDT all-to-all: q, k, v to head layout, out back (backward: the gradients); with a ring over
+    # the U = P / r adjacent ranks of one Ulysses group, kv heads spread for U ----
+    U = lay.ulysses
+    if U > 1 and lay.attention_layers:
         q_heads, kv_heads = s.heads // tp, lay.kv_heads
-        per_layer = t * hd * m * (2 * q_heads + 2 * kv_heads) * (P - 1) / P
-        one = _transfer_s(dev, per_layer, P, tp, per_node)
+        per_layer = t * hd * m * (2 * q_heads + 2 * kv_heads) * (U - 1) / U
+        one = _transfer_s(dev, per_layer, U, tp, per_node)
         total = one * lay.attention_layers * passes
         if lay.fpdt and overlap and dev.overlap and tiles:
             tile_s, u = tiles
@@ -472,6 +500,8 @@ def _communication(
             exposed, note = total, "on the critical path (the attention waits for it)"
         walk.add("sequence all-to-all", "communication", total, exposed,
                  note=f"{per_layer * lay.attention_layers * passes / 2**30:.3g} GiB sent; {note}")  # fmt: skip
+    if lay.ring > 1 and lay.attention_layers:
+        _ring_passes(lay, dev, per_node, parts["attention_pass_s"], walk)
     # ---- tensor parallelism: two all-reduces per layer per pass ----
     if tp > 1:
         nbytes = 2.0 * (tp - 1) / tp * t * s.d * m
@@ -507,6 +537,44 @@ def _communication(
         walk.add(
             "DDP all-reduce", "communication", seconds, exposed, note="overlaps backward but the last bucket"
         )
+
+
+def ring_pass_bytes(lay: _Layout) -> tuple[int, int]:
+    """Bytes one rank sends in the ring passes of one attention layer, ``(forward, backward)``
+    (``attention/ring.py``): forward ``(r - 1)`` k/v blocks ``B`` (``2 b (N/r) (H_kv'/U) hd`` elements in the k/v
+    dtype), backward ``(r - 1)`` again plus ``r`` hops of the fp32 dk/dv blocks."""
+    r, blk = lay.ring, lay.ring_block_bytes
+    dblk = 2 * lay.kv_elems * lay.ct
+    return (r - 1) * blk, (r - 1) * blk + r * dblk
+
+
+def _ring_passes(
+    lay: _Layout, dev: DeviceSpec, per_node: int, attention_s: tuple[float, float], walk: _Walk
+) -> None:
+    """The ring's k/v (and in backward dk/dv) passes to the next ring rank, ``U * tp`` ranks away: over NVLink
+    while the sp x tp ranks fit a node, else bound by the inter-node link. Each step's message travels while the
+    step's blocks compute (a forward step is 1/r of the layer's attention forward): exposed where longer, the
+    overlap condition ``N/r >= (H_kv'/H) e F / B`` (U cancels); all of it on a device that does not overlap."""
+    r, ckpt = lay.ring, lay.checkpointing
+    bw = dev.inter_node_bandwidth if lay.sp * lay.tp > per_node else dev.intra_node_bandwidth
+    blk, dblk = lay.ring_block_bytes, 2 * lay.kv_elems * lay.ct
+    fwd_bytes, bwd_bytes = ring_pass_bytes(lay)
+    fwd_passes = 2 if ckpt else 1  # the recompute runs the ring's forward again
+    total = (fwd_passes * fwd_bytes + bwd_bytes) / bw
+    if dev.overlap:
+        fwd_step, bwd_step = attention_s[0] / r, attention_s[1] / r
+        exposed = fwd_passes * (r - 1) * max(0.0, blk / bw - fwd_step)
+        exposed += sum(max(0.0, ((blk if t < r - 1 else 0) + dblk) / bw - bwd_step) for t in range(r))
+        note = (
+            f"a {blk / 2**20:.4g} MiB k/v step in {blk / bw * 1e3:.3g} ms vs its blocks' forward "
+            f"{fwd_step * 1e3:.3g} ms: hidden when shorter"
+        )
+    else:
+        exposed, note = total, "not overlapped on this device"
+    layers = lay.attention_layers
+    sent = (fwd_passes * fwd_bytes + bwd_bytes) * layers / 2**30
+    walk.add("ring passes", "communication", total * layers, exposed * layers,
+             note=f"{sent:.3g} GiB sent (ring {r}, {'inter' if lay.sp * lay.tp > per_node else 'intra'}-node); {note}")  # fmt: skip
 
 
 def _host_transfers(

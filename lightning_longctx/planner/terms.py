@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_longctx.planner.layout import _Layout
+from lightning_longctx.planner.report import format_bytes
 from lightning_longctx.planner.shapes import (
     _LLAMA_BLOCK,
     ATTENTION,
@@ -35,6 +36,7 @@ _ORDER = (
     "attention working set",
     "MLP working set",
     "all-to-all buffers",
+    "ring buffers",
     "state exchange buffers",
     "layer recompute (checkpointing)",
 )
@@ -148,7 +150,10 @@ def _autocast_weight_copies(lay: _Layout) -> _Term:
 
 def _attention_store_bytes(lay: _Layout) -> int:
     """One layer's attention tensors in head layout: q, out, k, v and the log-sum-exp (FPDT: every chunk's,
-    in host memory with offload). FPDT's blocks run in the autocast dtype, the lse too; else it is fp32."""
+    in host memory with offload). FPDT's blocks run in the autocast dtype, the lse too; else it is fp32. FPDT x
+    ring keeps k and v stacked (one ring message: promoted to q's dtype) and the fp32 lse of its accumulators."""
+    if lay.fpdt and lay.ring > 1:
+        return 2 * lay.q_elems * lay.qa + 2 * lay.kv_elems * lay.qa + lay.bn * lay.heads_per_rank * lay.ct
     lse = lay.m if (lay.autocast and lay.fpdt) else max(4, lay.m)
     return 2 * lay.q_elems * lay.qa + lay.kv_elems * (lay.qa + lay.m) + lay.bn * lay.heads_per_rank * lse
 
@@ -414,8 +419,13 @@ def _residual_gradient_bytes(lay: _Layout) -> int:
 def _attention_forward(lay: _Layout) -> _Term:
     """FPDT: the outputs gathered so far, one segment (q, its fp32 accumulator and merge, the next q and kv
     in flight), a score tile and, with offload, the double-buffered kv prefetch (2 fetched k, v steps).
-    Ulysses: none (the kernel's out and lse are kept activations; O(1) workspace). (Noted with the
-    backward.)"""
+    Ulysses: none (the kernel's out and lse are kept activations; O(1) workspace). A ring: its fp32 output
+    accumulator and one kernel call's merge (:func:`_ring_forward_moment`); FPDT x ring: the fp32 accumulators
+    of every local segment and one unit's (:func:`_fpdt_ring_forward_moment`). (Noted with the backward.)"""
+    if lay.ring > 1 and lay.fpdt and lay.attention_layers:
+        return _Term("attention working set", _fpdt_ring_forward_moment(lay)[2])
+    if lay.ring > 1 and lay.attention_layers:
+        return _Term("attention working set", _ring_forward_moment(lay)[1])
     if not lay.fpdt or not lay.attention_layers:
         return _Term("attention working set", 0)
     qa, hd, seg_kv = lay.qa, lay.shape.head_dim, lay.segment * lay.kv_per_rank * lay.shape.head_dim
@@ -436,7 +446,15 @@ def _attention_backward(lay: _Layout) -> _Term:
         return _Term(
             "attention working set", _residual_gradient_bytes(lay), note="residual gradient (no attention)"
         )
-    if lay.fpdt:
+    if lay.ring > 1 and lay.fpdt:
+        _, _, nbytes, host = _fpdt_ring_backward_moment(lay)
+        note = (f"one segment of {lay.segment // lay.b:,} tokens (FPDT x ring), {lay.tile}x{lay.tile} score tiles, "
+                "dout/delta, fp32 dq accumulators")  # fmt: skip
+        return _Term("attention working set", nbytes + _residual_gradient_bytes(lay), host, note=note)
+    if lay.ring > 1:
+        nbytes = _ring_backward_moment(lay)[1]
+        note = "dout, fp32 dq accumulator and one kernel call's dq/dk/dv (ring); dq/dk/dv all-to-all copies"
+    elif lay.fpdt:
         seg_q = lay.segment * lay.heads_per_rank * lay.shape.head_dim
         seg_kv = lay.segment * lay.kv_per_rank * lay.shape.head_dim
         host_fetch = 2 * (seg_q * (qa + qa) + lay.segment * lay.heads_per_rank * 4 + 2 * seg_kv * qa)
@@ -454,9 +472,13 @@ def _attention_backward(lay: _Layout) -> _Term:
 
 def _all_to_all_buffers(lay: _Layout) -> _Term:
     """FPDT: send + receive of one chunk; Ulysses (head_to_seq): the reshaped copy and the send buffer. Both of
-    this TP rank's heads."""
+    this TP rank's heads. With a ring (over U ranks; none at U = 1) they are one of its moments instead
+    (:func:`_ring_forward_moment`): none of them is alive while the ring's loop runs. FPDT x ring: FPDT's, one
+    chunk's (over U ranks)."""
     hd = lay.shape.head_dim
-    if not lay.attention_layers:
+    if not lay.attention_layers or (
+        lay.ring > 1 and not lay.fpdt
+    ):  # a ring's: in its moments (not in its loop)
         return _Term("all-to-all buffers", 0)
     if lay.fpdt:
         nbytes = 2 * lay.b * lay.chunk * lay.heads_tp * hd * lay.qa
@@ -464,6 +486,164 @@ def _all_to_all_buffers(lay: _Layout) -> _Term:
         nbytes = 2 * lay.t * lay.heads_tp * hd * lay.m
     note = "send + receive of one all-to-all" + (" (attention layers only)" if lay.shape.blocks else "")
     return _Term("all-to-all buffers", nbytes, note=note)
+
+
+# ---- ring attention (ring_size > 1): the k/v blocks in flight, the dk/dv buffers (attention/ring.py) ----
+# Per rank, with q = (b, N/r, H/U, hd) and kv = (b, N/r, H_kv'/U, hd) elements in head layout: one k/v block
+# ``blk = 2 * kv * m`` (one message), one dk/dv block ``dblk = 2 * kv * ct`` (fp32), one kernel call a zigzag
+# chunk's rows (N/(2r)) against a chunk's keys (the fused kernels run a whole chunk per call). The counts of
+# each moment follow ``_RingAttention``'s loop: a pass keeps its send buffer until it is waited for, and the
+# previous call's outputs stay alive until the next call returns (Python rebinds the names after the call).
+
+
+def _ring_forward_moment(lay: _Layout) -> tuple[int, int]:
+    """``(ring buffers, attention working set)`` at the largest moment of ring attention's forward: a kernel
+    call merging, with two k/v blocks (the visiting one and the next arriving), the fp32 output accumulator,
+    and the call's fp32 output, the merge's two products and their sum (and five log-sum-exp-sized
+    temporaries); with U > 1 the all-to-all before and after the loop. The fp32 log-sum-exp accumulator is the
+    kept lse; in fp32 the output accumulator is the kept output itself."""
+    q, ct = lay.q_elems, lay.ct
+    acc = q * ct if ct != lay.qa else 0
+    lse = lay.bn // 2 * lay.heads_per_rank * ct  # one call's rows
+    loop = (2 * lay.ring_block_bytes, acc + 4 * (q // 2 * ct) + 5 * lse)
+    return max(loop, (0, _ring_all_to_all_bytes(lay)), key=sum)
+
+
+def _ring_all_to_all_bytes(lay: _Layout) -> int:
+    """With U > 1, the send and receive buffers of one all-to-all over the Ulysses group (Ulysses' count),
+    before and after the ring's loop."""
+    return 2 * lay.t * lay.heads_tp * lay.shape.head_dim * lay.m if lay.ulysses > 1 else 0
+
+
+def _ring_backward_moment(lay: _Layout) -> tuple[int, int]:
+    """``(ring buffers, attention working set)`` at the largest moment of ring attention's backward; the
+    output's gradient ``dout`` (head layout), ``delta = rowsum(dout * out)`` and the fp32 dq accumulator are
+    alive throughout. A kernel call holds the previous call's fp32 dq/dk/dv and its own, in the kernel's
+    dtype and in fp32 (in fp32: and the copy of its rows' lse the kernel reads). Blocks (k/v, fp32 dk/dv)
+    while a step computes: step 0 (2, 1), the middle steps (2, 3) (the visiting and the next k/v; the
+    accumulating dk/dv, the one sent last step and the one received), the last step (1, 3). Other moments: ``delta``'s product (fp32 copies of dout and out under a 16-bit
+    dtype), the casts of dq/dk/dv home, and with U > 1 their all-to-all back to sequence layout (as Ulysses,
+    with the all-to-all's buffers)."""
+    q, kv, m, ct = lay.q_elems, lay.kv_elems, lay.m, lay.ct
+    blk, dblk = lay.ring_block_bytes, 2 * kv * ct
+    half = (q + 2 * kv) // 2  # one call's dq, dk, dv elements
+    # the kernel's outputs beside the previous call's: cast to fp32 after it returns (a 16-bit dtype), or while
+    # it runs, with the contiguous copy of its rows' lse it reads
+    call = 2 * half * ct + (half * m if m != ct else lay.bn // 2 * lay.heads_per_rank * ct)
+    base = q * m + lay.bn * lay.heads_per_rank * ct + q * ct  # dout, delta, dq
+    steps = [(2, 1), (1, 3)] + ([(2, 3)] if lay.ring > 2 else [])
+    moments = [(k * blk + d * dblk, base + call) for k, d in steps]
+    moments.append((0, q * m + q * ct * (3 if m != ct else 1)))  # delta's product
+    moments.append((blk + dblk, base + half * ct + ((q + 2 * kv) * m if m != ct else 0)))  # the casts home
+    if lay.ulysses > 1:  # dq/dk/dv in both layouts and the all-to-all's buffers, as Ulysses'
+        moments.append((0, 2 * q * m + 2 * (q + 2 * kv) * m + _ring_all_to_all_bytes(lay)))
+    return max(moments, key=sum)
+
+
+# ---- FPDT x ring (fpdt_chunk_size c with ring_size r > 1): attention/fpdt_ring.py ----
+# Per rank: K = N / (r U c) local segments of S = U c tokens with H/U heads (kv H_kv'/U); one stacked k/v segment
+# ``kv_seg = 2 * seg_kv * qa`` bytes, one k/v block (the K segments of a ring rank, one ring step's messages)
+# ``block = 2 * kv * qa``. Kept in the ChunkStore (on the host with offload): q, kv, out, lse (the activations'
+# store) and in backward dout, delta. Through the ring steps: the ``arriving`` store of the next step's K
+# segments (a block) and, from the second step of a ring of r > 2, the ``visiting`` store (the previous step's
+# arriving one) beside it: ``(2 if r > 2 else 1) * block`` on the device; with offload on the host, where the
+# arriving store holds K - 1 segments while the last one is received and the visiting segment is fetched back
+# (two segments on the device). The counts of each moment follow ``_FPDTRingAttention``'s loop (a pass keeps
+# its send and receive buffers until it is waited for and its handle rebound), checked against the live tensor
+# bytes of a real ``fpdt_ring_attention`` (tests/test_planner.py).
+
+
+def _fpdt_ring_segments(lay: _Layout) -> tuple[int, int, int, int]:
+    """``(seg_q, seg_kv, kv_seg, block)`` of FPDT x ring: one segment's q and k (elements), one stacked k/v
+    segment and one k/v block (bytes, in q's dtype: ``torch.stack`` promotes v)."""
+    hd = lay.shape.head_dim
+    seg_q, seg_kv = lay.segment * lay.heads_per_rank * hd, lay.segment * lay.kv_per_rank * hd
+    return seg_q, seg_kv, 2 * seg_kv * lay.qa, lay.ring_block_bytes
+
+
+def _fpdt_ring_kv_stores(lay: _Layout) -> tuple[int, int]:
+    """``(device, host)`` bytes of the ring's k/v stores while a step computes (see above)."""
+    _, _, kv_seg, block = _fpdt_ring_segments(lay)
+    stores = (2 if lay.ring > 2 else 1) * block
+    return (2 * kv_seg, stores - kv_seg) if lay.offload else (stores, 0)
+
+
+def _fpdt_ring_forward_moments(lay: _Layout) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """``(ring buffers device, ring buffers host, attention working set)`` at the two largest moments of FPDT x
+    ring's forward. In the ring steps (a unit computing): the k/v stores (:func:`_fpdt_ring_kv_stores`); the
+    fp32 out/lse accumulators of ALL K local segments (``_SegmentAcc``: ``(b, N/r, H/U, hd)`` and its lse); one
+    unit's fp32 output, the merge's two products and their sum (and five lse-sized temporaries); the q segment
+    fetched back with offload; a math score tile (masks: none with the fused kernel). At the end (the whole
+    store kept): every segment's output back in sequence layout, their concatenation, and the last unit's fp32
+    output and lse."""
+    seg_q, _, _, _ = _fpdt_ring_segments(lay)
+    ct, seg_lse = lay.ct, lay.segment * lay.heads_per_rank * lay.ct
+    accs = lay.q_elems * ct + lay.bn * lay.heads_per_rank * ct
+    unit = 4 * seg_q * ct + 5 * seg_lse
+    fetched = seg_q * lay.qa if lay.offload else 0
+    device, host = _fpdt_ring_kv_stores(lay)
+    loop = (device, host, accs + unit + fetched + _fpdt_score_tile_bytes(lay))
+    return loop, (0, 0, 2 * lay.q_elems * lay.qa + seg_q * ct + seg_lse)
+
+
+def _fpdt_ring_forward_moment(lay: _Layout) -> tuple[int, int, int]:
+    """The larger on the device of :func:`_fpdt_ring_forward_moments` (the ring steps' on a tie)."""
+    loop, end = _fpdt_ring_forward_moments(lay)
+    return loop if loop[0] + loop[2] >= end[0] + end[2] else end
+
+
+def _fpdt_ring_backward_moment(lay: _Layout) -> tuple[int, int, int, int]:
+    """``(ring buffers device, ring buffers host, attention working set device, host)`` at the largest moment
+    of FPDT x ring's backward (a unit computing in the last ring step). Ring buffers: the k/v stores as forward;
+    the visiting segment's fp32 dk/dv; the K dk/dv passes one hop behind (``behind``: each its send and receive
+    buffer, two fp32 dk/dv blocks, on the device) and the previous segment's received dk/dv, waited for but
+    not yet released (one segment). Working set: the output's gradient (sequence layout), the fp32 dq accumulators of
+    all K segments, the dout and fp32 delta segments in the store (the host with offload), the previous unit's
+    and this unit's fp32 dq/dk/dv and the lse rows the kernel reads, two math score tiles and, with offload, one
+    segment's q, out, dout, lse, delta fetched back."""
+    seg_q, seg_kv, _, _ = _fpdt_ring_segments(lay)
+    ct, qa, q = lay.ct, lay.qa, lay.q_elems
+    seg_lse, lse = lay.segment * lay.heads_per_rank * ct, lay.bn * lay.heads_per_rank * ct
+    device, host = _fpdt_ring_kv_stores(lay)
+    dkv_seg, dkv_block = 2 * seg_kv * ct, 2 * lay.kv_elems * ct
+    ring = device + dkv_seg + 2 * dkv_block + dkv_seg
+    dout_delta = q * qa + lse
+    work = q * qa + q * ct + 2 * (seg_q + 2 * seg_kv) * ct + seg_lse + 2 * _fpdt_score_tile_bytes(lay)
+    work += 3 * seg_q * qa + 2 * seg_lse if lay.offload else dout_delta
+    return ring, host, work, dout_delta if lay.offload else 0
+
+
+def _ring_forward_buffers(lay: _Layout) -> _Term:
+    """The ring's k/v blocks in flight during the forward (:func:`_ring_forward_moment`; FPDT x ring:
+    :func:`_fpdt_ring_forward_moment`, the host's with offload)."""
+    if lay.ring == 1 or not lay.attention_layers:
+        return _Term("ring buffers", 0)
+    if lay.fpdt:
+        device, host, _ = _fpdt_ring_forward_moment(lay)
+        return _Term("ring buffers", device, host)
+    return _Term("ring buffers", _ring_forward_moment(lay)[0])
+
+
+def _ring_backward_buffers(lay: _Layout) -> _Term:
+    """The ring's k/v blocks and fp32 dk/dv blocks during the backward (:func:`_ring_backward_moment`)."""
+    if lay.ring == 1 or not lay.attention_layers:
+        return _Term("ring buffers", 0)
+    tokens, kv = lay.bn // lay.b, lay.kv_per_rank
+    if lay.fpdt:
+        device, host, _, _ = _fpdt_ring_backward_moment(lay)
+        note = (
+            f"k/v blocks of {format_bytes(lay.ring_block_bytes)} ({tokens:,} tokens x {kv} kv heads; ring "
+            f"{lay.ring} x Ulysses {lay.ulysses}) as {tokens // (lay.segment // lay.b)} segments of "
+            f"{lay.segment // lay.b:,} tokens"
+            + (" (host: offload)" if lay.offload else "")
+            + ", fp32 dk/dv block behind in backward"
+        )
+        return _Term("ring buffers", device, host, note=note)
+    note = (
+        f"k/v blocks of {format_bytes(lay.ring_block_bytes)} ({tokens:,} tokens x {kv} kv heads; ring "
+        f"{lay.ring} x Ulysses {lay.ulysses}) in flight, fp32 dk/dv blocks in backward"
+    )
+    return _Term("ring buffers", _ring_backward_moment(lay)[0], note=note)
 
 
 def _state_exchange_buffers(lay: _Layout) -> _Term:

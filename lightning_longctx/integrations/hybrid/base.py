@@ -2,14 +2,18 @@
 of a mixer's methods so that the kernel functions it calls by name resolve to our adapters.
 
 A *segment* is a run of consecutive global tokens on one rank (``comm.py``): the whole shard in the
-contiguous (Ulysses) layout, each of the ``u`` local chunks of ``c`` tokens in the FPDT layout. Adapters
-run the model's own kernel function on all segments at once, stacked along the batch dimension
-``(u*b, c, ...)`` (u-major), and join them with :func:`~lightning_longctx.comm.halo_exchange` (causal
-convolutions) or :func:`~lightning_longctx.comm.exclusive_affine_scan` (recurrences).
+contiguous (Ulysses) layout, each of the ``u`` local chunks of ``c`` tokens in the FPDT layout, each half of
+the shard under Ulysses x ring (``ring_size > 1``: zigzag, whose two halves are runs apart in the sequence).
+Adapters run the model's own kernel function on all segments at once, stacked along the batch dimension
+``(u*b, c, ...)`` (u-major), and join them with :meth:`MixerCall.halo_exchange` (causal convolutions) or
+:meth:`MixerCall.exclusive_affine_scan` (recurrences): ``comm``'s collectives in the layout's global segment
+order (:func:`segment_order`, read from the layout's global index), so a segment's neighbours are found
+wherever they live, never across a local seam.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import types
@@ -19,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_longctx.comm import Group, group_rank_size
+from lightning_longctx.comm import Group, SegmentOrder, exclusive_affine_scan, group_rank_size, halo_exchange
+from lightning_longctx.sharding import global_index
 
 if TYPE_CHECKING:
     from lightning_longctx.integrations.context import SequenceParallelContext
@@ -45,13 +50,61 @@ def packed_documents_error(name: str, mixer: str | None = None) -> ValueError:
     )
 
 
-def halo_error(name: str, halo: int, segment: int, local_len: int | None = None) -> ValueError:
-    where = f"local length {local_len}" if local_len is not None else f"fpdt_chunk_size={segment}"
+def halo_error(name: str, halo: int, segment: int, local_len: int | None = None, ring: int = 1) -> ValueError:
+    """``ring`` > 1: the segment is half of the shard (Ulysses x ring's two zigzag runs)."""
+    if local_len is None:
+        where = f"fpdt_chunk_size={segment}"
+    elif ring > 1:
+        where = (
+            f"half of local length {local_len}: under ring_size={ring} each half of a shard is its own run"
+        )
+    else:
+        where = f"local length {local_len}"
+    fix = "a smaller ring_size" if ring > 1 else f"fpdt_chunk_size >= {halo}"
     return ValueError(
         f"{name} needs the last {halo} tokens before each segment (its causal convolution), but a segment "
-        f"holds {segment} tokens ({where}); use a longer sequence, fewer sequence-parallel ranks or "
-        f"fpdt_chunk_size >= {halo}"
+        f"holds {segment} tokens ({where}); use a longer sequence, fewer sequence-parallel ranks or {fix}"
     )
+
+
+def segment_length(context: SequenceParallelContext, local_len: int) -> int:
+    """Tokens per segment of a call whose shard holds ``local_len`` tokens: the FPDT chunk when chunking,
+    else half the shard under Ulysses x ring (each half a run of the zigzag, never mixed across the seam
+    between them), else the whole shard."""
+    c = context.local_chunk(local_len)
+    if c is not None:
+        return c
+    if context.ring > 1:
+        if local_len % 2:
+            raise ValueError(
+                f"ring_size={context.ring}: a shard of {local_len} tokens is not two equal zigzag halves; "
+                "shard batches with shard_batch(..., ring=ring_size) (pads the sequence to a multiple of 2 x sp)"
+            )
+        return local_len // 2
+    return local_len
+
+
+@functools.lru_cache(maxsize=64)
+def segment_order(
+    local_len: int, segment: int, world: int, chunk_size: int | None, ring: int
+) -> SegmentOrder:
+    """The global id of every rank's local segments (``comm.SegmentOrder``, the table every rank passes to
+    the collectives): segment ``i`` of rank ``r`` holds global tokens ``[g*L, (g+1)*L)`` with ``L = segment``
+    and ``g = index[i*L] // L``, ``index`` the layout's global index of rank ``r``'s tokens
+    (``sharding.global_index``, the map ``SequenceParallelContext.global_index`` reads). One rule for every
+    layout: Ulysses, FPDT, Ulysses x ring, FPDT x ring. No collective; a pure function of its arguments."""
+    rows = []
+    step = torch.arange(segment)
+    for rank in range(world):
+        index = global_index(local_len, rank=rank, world=world, chunk_size=chunk_size, ring=ring)
+        runs = index.view(-1, segment)  # (u, L)
+        if bool((runs[:, 0] % segment).any()) or not torch.equal(runs, runs[:, :1] + step):
+            raise RuntimeError(  # an internal invariant of the layouts (sharding.py)
+                f"the layout (world={world}, chunk_size={chunk_size}, ring={ring}) gives rank {rank} tokens that "
+                f"are not runs of {segment} consecutive global tokens aligned to {segment}: {index.tolist()}"
+            )
+        rows.append(tuple((runs[:, 0] // segment).tolist()))
+    return tuple(rows)
 
 
 def mixer_halo(mixers: list[Any]) -> int:
@@ -87,9 +140,33 @@ class MixerCall:
         return self.context.group
 
     def chunk(self, local_len: int) -> int:
-        """Tokens per segment of a call whose shard holds ``local_len`` tokens."""
-        c = self.context.local_chunk(local_len)
-        return local_len if c is None else c
+        """Tokens per segment of a call whose shard holds ``local_len`` tokens (:func:`segment_length`)."""
+        return segment_length(self.context, local_len)
+
+    def order(self, local_len: int) -> SegmentOrder:
+        """The global segment id of every rank's segments for a shard of ``local_len`` tokens
+        (:func:`segment_order`)."""
+        _, world = group_rank_size(self.group)
+        ctx = self.context
+        return segment_order(local_len, self.chunk(local_len), world, ctx.chunk_size, ctx.ring)
+
+    def halo_exchange(self, tails: torch.Tensor, local_len: int) -> torch.Tensor:
+        """:func:`~lightning_longctx.comm.halo_exchange` of this call's segments in global order: ``tails``
+        ``(u, ...)`` the last positions of each local segment of a shard of ``local_len`` tokens; returns those
+        of the segment before each, ``(u, ...)`` (zeros before the sequence start)."""
+        return halo_exchange(tails, self.group, order=self.order(local_len))
+
+    def exclusive_affine_scan(
+        self,
+        M: torch.Tensor,
+        B: torch.Tensor,
+        apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        local_len: int,
+    ) -> torch.Tensor:
+        """:func:`~lightning_longctx.comm.exclusive_affine_scan` of this call's segments in global order:
+        ``M`` ``(u, ...)``, ``B`` ``(u, *state)`` each local segment's summary (shard of ``local_len`` tokens);
+        returns each one's entry state ``(u, *state)``."""
+        return exclusive_affine_scan(M, B, apply, self.group, order=self.order(local_len))
 
     def _batch_documents(self) -> torch.Tensor | None:
         """``(b, N)`` document ids of the batch in global order, or ``None`` (one document per row).
@@ -109,7 +186,8 @@ class MixerCall:
             raise packed_documents_error(self.context.model_name or "the model", self.name)
         c = self.chunk(local_len)
         if halo > c:
-            raise halo_error(self.name, halo, c, local_len)
+            halves = self.context.ring if self.context.chunk_size is None else 1
+            raise halo_error(self.name, halo, c, local_len, ring=halves)
         return c
 
     def documents(self, local_len: int, batch: int, halo: int, device: torch.device) -> Documents | None:

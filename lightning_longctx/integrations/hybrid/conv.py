@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from lightning_longctx.comm import halo_exchange
 from lightning_longctx.integrations.hybrid.base import MixerCall, from_segments, to_segments
 
 
@@ -44,7 +43,7 @@ def causal_conv1d(
     segs = to_segments(hidden_states, 2, c)  # (u*b, channels, c)
     before = segs[..., :0]
     if halo:
-        before = halo_exchange(segs[..., c - halo :].unflatten(0, (u, -1)), sp.group).flatten(0, 1)
+        before = sp.halo_exchange(segs[..., c - halo :].unflatten(0, (u, -1)), local).flatten(0, 1)
     if (
         docs is not None
     ):  # each document's piece with its own halo (zeros unless it continues): (pieces, ch, h+L)

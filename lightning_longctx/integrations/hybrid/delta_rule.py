@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from lightning_longctx.comm import exclusive_affine_scan
 from lightning_longctx.integrations.hybrid.base import MixerCall, from_segments, to_segments
 
 
@@ -48,9 +47,10 @@ def chunk_delta_rule(
         sp.refuse("its delta rule with a recurrent state in or out (a cache)")
     if kwargs.get("cu_seqlens") is not None:
         sp.refuse("its delta rule with packed-sequence offsets (cu_seqlens)")
-    c = sp.check(query.shape[1])
-    u = query.shape[1] // c
-    docs = sp.documents(query.shape[1], query.shape[0], 0, query.device)
+    local = query.shape[1]
+    c = sp.check(local)
+    u = local // c
+    docs = sp.documents(local, query.shape[0], 0, query.device)
     q, k, v, g, beta = (to_segments(x, 1, c) for x in (query, key, value, g, beta))  # (u*b, c, ...)
     if docs is not None:  # one row per document piece, behind neutral zeros (β = 0, g = 0: state unchanged)
         q, k, v, g, beta = (docs.gather(x, 1) for x in (q, k, v, g, beta))
@@ -77,7 +77,7 @@ def chunk_delta_rule(
         B = final[docs.last, ..., :d_v]
         M = final[docs.first, ..., d_v:] * (~docs.restarts).view(-1, 1, 1, 1)
     o0, R = out[..., :d_v], out[..., d_v:]  # (N, c, h, d_v), (N, c, h, d_k)
-    S = exclusive_affine_scan(M.unflatten(0, (u, -1)), B.unflatten(0, (u, -1)), torch.matmul, sp.group)
+    S = sp.exclusive_affine_scan(M.unflatten(0, (u, -1)), B.unflatten(0, (u, -1)), torch.matmul, local)
     correction = torch.einsum("nchk,nhkv->nchv", R.float(), S.flatten(0, 1))
     if docs is not None:
         correction = correction * docs.entry[..., None, None]

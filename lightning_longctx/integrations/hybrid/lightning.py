@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_longctx.comm import exclusive_affine_scan
 from lightning_longctx.integrations.hybrid.base import MixerCall, from_segments, to_segments
 
 
@@ -107,7 +106,7 @@ def lightning_forward(
         out0, B = docs.scatter(out0, 2), final[docs.last]
         M = (M.to(B.dtype) * ~docs.restarts[:, None, None, None]).unflatten(0, (u, -1))  # 0 after a start
         q_in = q_in * docs.entry[:, None, :, None]  # only a first piece that continues a document reads it
-    S = exclusive_affine_scan(M, B.unflatten(0, (u, -1)), torch.mul, sp.group).flatten(0, 1)  # (u*b, h, d, d)
+    S = sp.exclusive_affine_scan(M, B.unflatten(0, (u, -1)), torch.mul, local).flatten(0, 1)  # (u*b, h, d, d)
     out = out0 + torch.matmul(q_in, S)
 
     out = from_segments(out, 2, u).transpose(1, 2).reshape(b, local, heads * d)

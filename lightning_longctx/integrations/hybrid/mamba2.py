@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_longctx.comm import exclusive_affine_scan
 from lightning_longctx.integrations.hybrid.base import MixerCall, from_segments, to_segments
 
 
@@ -85,9 +84,10 @@ def chunk_scan(
         # torch fallback drops ``z`` while mamba-ssm applies it: there is no one reference to match. No
         # mixer of transformers 5.24 passes one.
         sp.refuse("its Mamba-2 scan with a fused output gate (z)")
-    c = sp.check(hidden_states.shape[1])
-    u = hidden_states.shape[1] // c
-    docs = sp.documents(hidden_states.shape[1], hidden_states.shape[0], 0, hidden_states.device)
+    local = hidden_states.shape[1]
+    c = sp.check(local)
+    u = local // c
+    docs = sp.documents(local, hidden_states.shape[0], 0, hidden_states.device)
     x, dt, B, C = (to_segments(t, 1, c) for t in (hidden_states, dt, B, C))  # (N = u*b, c, ...)
     # packed: one row per document piece behind zeros (x = 0 keeps the zero state zero)
     pieces = (x, dt, B, C) if docs is None else tuple(docs.gather(t, 1) for t in (x, dt, B, C))
@@ -113,8 +113,8 @@ def chunk_scan(
         log_decay = log_decay.masked_fill(
             ~docs.entry[..., None], float("-inf")
         )  # no entry state after a start
-    S = exclusive_affine_scan(
-        M.view(u, -1, heads, 1, 1), final.float().unflatten(0, (u, -1)), torch.mul, sp.group
+    S = sp.exclusive_affine_scan(
+        M.view(u, -1, heads, 1, 1), final.float().unflatten(0, (u, -1)), torch.mul, local
     ).flatten(0, 1)  # (N, h, p, n)
     # S_in C_t per head, contracted per group (heads of a group share C) so C is never repeated to h heads
     readout = torch.einsum("xlgn,xgkpn->xlgkp", C.float(), S.view(n_seg, groups, heads // groups, p, n))

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_longctx.comm import exclusive_affine_scan, halo_exchange
 from lightning_longctx.integrations.hybrid.base import MixerCall, from_segments, to_segments
 
 
@@ -54,7 +53,7 @@ def _causal_conv(sp: MixerCall, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tenso
     segs = to_segments(x, 2, c)  # (u*b, channels, c)
     before = segs[..., :0]
     if halo:
-        before = halo_exchange(segs[..., c - halo :].unflatten(0, (u, -1)), sp.group).flatten(0, 1)
+        before = sp.halo_exchange(segs[..., c - halo :].unflatten(0, (u, -1)), local).flatten(0, 1)
     if docs is not None:  # one piece per document, right-aligned behind zeros, its halo masked to it
         pieces = docs.gather(segs, 2, before)  # (pieces, channels, h + L)
         return from_segments(docs.scatter(conv(pieces)[..., : pieces.shape[-1]], 2), 2, u)
@@ -109,7 +108,7 @@ def rnn_scan(
     # the transfer from the entry state to h_t, as the model's scan forms its gate (reset zeroes it)
     P = torch.cumprod((a * ~rs).to(acc_dtype), dim=1)  # (u*b, c, w)
     M, B = P[:, -1], last.to(acc_dtype)  # (u*b, w)
-    S = exclusive_affine_scan(M.unflatten(0, (u, -1)), B.unflatten(0, (u, -1)), torch.mul, sp.group)
+    S = sp.exclusive_affine_scan(M.unflatten(0, (u, -1)), B.unflatten(0, (u, -1)), torch.mul, local)
     S = S.flatten(0, 1)  # (u*b, w): each segment's entry state
     out = out0 + (P * S[:, None]).to(out0.dtype)
     exit_state = (M * S + B).unflatten(0, (u, -1))[-1]  # the last local segment's (u-major)

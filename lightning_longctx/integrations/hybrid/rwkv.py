@@ -44,7 +44,6 @@ from typing import Any
 
 import torch
 
-from lightning_longctx.comm import exclusive_affine_scan, halo_exchange
 from lightning_longctx.integrations.hybrid.base import MixerCall, from_segments, to_segments
 
 #: The model's "no state yet" max (``rwkv_linear_attention_cpu`` starts from ``-1e38``): ``e^{max}`` is 0.
@@ -64,7 +63,7 @@ def _shifted(
     u = local // c
     segs = to_segments(hidden, 1, c)  # (u*b, c, hidden)
     # the token before each segment in global order (zeros before the sequence start)
-    before = halo_exchange(segs[:, -1].unflatten(0, (u, -1)), sp.group).flatten(0, 1)
+    before = sp.halo_exchange(segs[:, -1].unflatten(0, (u, -1)), local).flatten(0, 1)
     docs = sp.documents(local, hidden.shape[0], 1, hidden.device)
     if docs is None:
         outs = run(segs, before)
@@ -173,7 +172,7 @@ def wkv(
         W = W.masked_fill(docs.restarts[:, None], float("-inf"))
     M = torch.stack([W, num, den, top], dim=-2).unflatten(0, (u, -1))  # (u, b, 4, A)
     zero = num.new_zeros(u, num.shape[0] // u, 3, num.shape[-1])
-    S = exclusive_affine_scan(M, zero, _log_combine, sp.group).flatten(0, 1)  # (u*b, 3, A)
+    S = sp.exclusive_affine_scan(M, zero, _log_combine, local).flatten(0, 1)  # (u*b, 3, A)
     num_in, den_in, max_in = S.unbind(-2)
     max_in = torch.where(den_in > 0, max_in, torch.full_like(max_in, _EMPTY_MAX))
     out, _ = torch_wkv(time_decay, time_first, k, v, state=[num_in, den_in, max_in])

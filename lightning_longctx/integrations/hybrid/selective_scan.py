@@ -39,7 +39,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lightning_longctx.comm import exclusive_affine_scan
 from lightning_longctx.integrations.hybrid.base import MixerCall, from_segments, to_segments
 
 #: Largest ``(segments, d, n, tokens)`` block of decays the closed forms materialise at once (float32).
@@ -92,9 +91,10 @@ def selective_scan(
         sp.refuse("its selective scan with packed-sequence indices (seq_idx / cu_seqlens)")
     if B.dim() != 3 or C.dim() != 3 or A.is_complex():
         sp.refuse("its selective scan with grouped or complex B/C/A (only real (b, n, l) B/C are adapted)")
-    c = sp.check(hidden_states.shape[-1])
-    u = hidden_states.shape[-1] // c
-    docs = sp.documents(hidden_states.shape[-1], hidden_states.shape[0], 0, hidden_states.device)
+    local = hidden_states.shape[-1]
+    c = sp.check(local)
+    u = local // c
+    docs = sp.documents(local, hidden_states.shape[0], 0, hidden_states.device)
     x, dts, Bs, Cs = (to_segments(t, 2, c) for t in (hidden_states, dt, B, C))  # (u*b, ., c)
     # packed: one row per document piece behind zeros (x = 0 keeps the zero state zero)
     pieces = (x, dts, Bs, Cs) if docs is None else tuple(docs.gather(t, 2) for t in (x, dts, Bs, Cs))
@@ -140,7 +140,7 @@ def selective_scan(
     if docs is not None:
         M = M * ~docs.restarts[:, None, None]
         C32 = C32 * docs.entry[:, None]  # the entry state reaches only a first piece that continues
-    S = exclusive_affine_scan(M.unflatten(0, (u, -1)), final.unflatten(0, (u, -1)), torch.mul, sp.group)
+    S = sp.exclusive_affine_scan(M.unflatten(0, (u, -1)), final.unflatten(0, (u, -1)), torch.mul, local)
 
     elapsed = delta.cumsum(-1)  # Σ_{s≤t} Δ_s
     S = S.flatten(0, 1)

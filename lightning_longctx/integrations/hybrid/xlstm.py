@@ -46,7 +46,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_longctx.comm import exclusive_affine_scan
 from lightning_longctx.integrations.hybrid.base import Documents, MixerCall, from_segments, to_segments
 
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -155,7 +154,7 @@ def mlstm_backend(
     B = _pack(C_b, n_b, m_b).to(torch.promote_types(q.dtype, torch.float32))
     M = torch.cat([log_f.to(B.dtype), B], dim=-1).unflatten(0, (u, -1))  # B travels in M ...
     zero = B.new_zeros(B.shape).unflatten(0, (u, -1))  # ... so the fold adds nothing after _log_combine
-    S = exclusive_affine_scan(M, zero, _log_combine, sp.group).flatten(0, 1)  # (u*b, heads, D)
+    S = sp.exclusive_affine_scan(M, zero, _log_combine, local).flatten(0, 1)  # (u*b, heads, D)
     C_in, n_in, m_in = _unpack(S, d_qk, d_v)
 
     h, _ = original(
