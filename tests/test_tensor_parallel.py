@@ -62,6 +62,9 @@ CASES = {
         {},
     ),
     "mistral_tp2_sp2_window": ("mistral", 4, 2, 2, {}, {"sliding_window": 8}),
+    # Ulysses x ring and FPDT x ring on the TP-local heads (tp splits the heads first; U = 1, r = 2)
+    "llama_tp2_sp2_ring2": ("llama", 4, 2, 2, {"ring_size": 2}, {}),
+    "llama_tp2_sp2_fpdt_ring2": ("llama", 4, 2, 2, {"ring_size": 2, "fpdt_chunk_size": 2}, {}),
     "qwen2_tp2_sp2_fpdt_biases": ("qwen2", 4, 2, 2, {"fpdt_chunk_size": 4}, {}),
     "mixtral_tp2_sp2_experts_aux_loss": ("mixtral", 4, 2, 2, {}, {}),
     "mixtral_tp2_sp2_fpdt_experts_aux_loss": ("mixtral", 4, 2, 2, {"fpdt_chunk_size": 4}, {}),
@@ -88,6 +91,7 @@ SLOW = {
     "qwen2_tp2_sp2_fpdt_biases",
     "mixtral_tp2_sp2_experts_aux_loss",
     "llama_tied_tp2_sp2_fpdt",
+    "llama_tp2_sp2_fpdt_ring2",
 }
 
 
