@@ -17,7 +17,7 @@ from lightning_longctx.integrations.transformers import context_of
 SEQ, STEPS, SP = 24, 2, 2
 
 
-def _fit_lora(arch: str, mode: str, tp: int = 1):
+def _fit_lora(arch: str, mode: str, tp: int = 1, ring: int = 1):
     lightning_env()
     model = lora_model(arch)
     module = HFModule(model, dataset=TokenDataset(STEPS, SEQ))
@@ -27,6 +27,7 @@ def _fit_lora(arch: str, mode: str, tp: int = 1):
             sequence_parallel_size=SP,
             **MODES[mode],
             **({"tensor_parallel_size": tp, "data_parallel": "fsdp"} if tp > 1 else {}),
+            ring_size=ring,
         ),
         accelerator="cpu",
         devices=dist.get_world_size(),
@@ -66,5 +67,15 @@ def test_lora_under_tensor_parallelism(dist_pool, arch, mode):
     row-wise base: A split, B replicated), every adapter tensor as on one process, the base frozen."""
     results = dist_pool(2 * SP).run(_fit_lora, arch, mode, 2)
     errors = lora_errors(arch, results[:1])  # FSDP2's full state dict: on rank 0
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 1e-5, f"{worst}: relative error {errors[worst]:.2e}"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_lora_under_the_ring(dist_pool, mode):
+    """sp 2 as a ring of 2 (Ulysses x ring, FPDT x ring): every adapter tensor as on one process."""
+    results = dist_pool(SP).run(_fit_lora, "llama", mode, 1, 2)
+    assert {r[2] for r in results} == {mode}
+    errors = lora_errors("llama", results)
     worst = max(errors, key=errors.get)
     assert errors[worst] < 1e-5, f"{worst}: relative error {errors[worst]:.2e}"
