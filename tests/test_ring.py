@@ -275,7 +275,7 @@ def test_ring_refusals():
     with pytest.raises(ValueError, match=r"ring group has 1 ranks but layout.ring_size is 2.*process group"):
         call(layout=RingLayout(ring_size=2, seq_len=32))
     with pytest.raises(
-        ValueError, match=r"q holds 16 tokens per rank.*seq_len / ring_size = 32.*layout.shard"
+        ValueError, match=r"q holds 16 tokens per ring rank.*seq_len / ring_size = 32.*layout.shard"
     ):
         call(layout=RingLayout(ring_size=1, seq_len=32))
     with pytest.raises(TypeError, match="layout must be a RingLayout"):
