@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_longctx import disable_sequence_parallel, enable_sequence_parallel, shard_batch
-from lightning_longctx.comm import count_all_to_all, exclusive_affine_scan, halo_exchange
+from lightning_longctx.comm import count_all_to_all, halo_exchange
 from lightning_longctx.integrations.hybrid import find_mixers
 from lightning_longctx.sharding import shard_sequence
 
@@ -61,34 +61,13 @@ def test_halo_exchange_matches_the_global_sequence(dist_pool, world, chunk):
 
 
 def _scan_case(n_seg_per_rank: int, kind: str) -> dict[str, float]:
-    """exclusive_affine_scan vs the sequential fold over all segments in global order, and its gradients."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    total = n_seg_per_rank * world
-    if kind == "dense":  # gated DeltaNet: (heads, dk, dk) maps of (heads, dk, dv) states
-        M = torch.randn(total, B, 2, 3, 3, dtype=torch.float64) * 0.5
-        apply = torch.matmul
-    else:  # Mamba: one decay per head
-        M = torch.rand(total, B, 2, 1, 1, dtype=torch.float64)
-        apply = torch.mul
-    Bs = torch.randn(total, B, 2, 3, 4, dtype=torch.float64)
-    W = torch.randn(total, B, 2, 3, 4, dtype=torch.float64)
-    M.requires_grad_(), Bs.requires_grad_()
-    states = [torch.zeros_like(Bs[0])]
-    for g in range(total - 1):
-        states.append(apply(M[g], states[-1]) + Bs[g])
-    ref = torch.stack(states)
-    (ref * W).sum().add(0 * (M.sum() + Bs.sum())).backward()  # one segment: nothing depends on them
-    mine = list(range(rank, total, world))  # global segment g = i * P + rank
-    m_local = M.detach()[mine].clone().requires_grad_()
-    b_local = Bs.detach()[mine].clone().requires_grad_()
-    got = exclusive_affine_scan(m_local, b_local, apply, dist.group.WORLD)
-    (got * W[mine]).sum().backward()
-    return {
-        "forward": (got - ref[mine]).abs().max().item(),
-        "dM": (m_local.grad - M.grad[mine]).abs().max().item(),
-        "dB": (b_local.grad - Bs.grad[mine]).abs().max().item(),
-    }
+    """exclusive_affine_scan (its default, strided order: global segment g = i * P + rank) vs the sequential
+    fold over all segments in global order, and its gradients."""
+    from helpers.reference import affine_scan_errors
+    from lightning_longctx.comm import strided_order
+
+    order = strided_order(dist.get_world_size(), n_seg_per_rank)
+    return affine_scan_errors(order, kind, rows=B, pass_order=False)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -129,37 +129,11 @@ def test_halo_exchange_in_any_segment_order(dist_pool, world, u):
 def _scan_errors(u: int, kind: str, seed: int) -> list[dict[str, float]]:
     """exclusive_affine_scan in each order of :func:`_orders` vs the sequential fold in global order, and its
     gradients."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = []
-    for order in _orders(world, u, seed):
-        torch.manual_seed(seed)
-        total = world * u
-        if kind == "dense":  # gated DeltaNet: (heads, dk, dk) maps of (heads, dk, dv) states
-            M = torch.randn(total, B, 2, 3, 3, dtype=torch.float64) * 0.5
-            apply = torch.matmul
-        else:  # Mamba: one decay per head
-            M = torch.rand(total, B, 2, 1, 1, dtype=torch.float64)
-            apply = torch.mul
-        Bs = torch.randn(total, B, 2, 3, 4, dtype=torch.float64)
-        W = torch.randn(total, B, 2, 3, 4, dtype=torch.float64)
-        M.requires_grad_(), Bs.requires_grad_()
-        states = [torch.zeros_like(Bs[0])]
-        for g in range(total - 1):
-            states.append(apply(M[g], states[-1]) + Bs[g])
-        (torch.stack(states) * W).sum().add(0 * (M.sum() + Bs.sum())).backward()
-        mine = list(order[rank])
-        m_local = M.detach()[mine].clone().requires_grad_()
-        b_local = Bs.detach()[mine].clone().requires_grad_()
-        got = exclusive_affine_scan(m_local, b_local, apply, dist.group.WORLD, order=order)
-        (got * W[mine]).sum().backward()
-        out.append(
-            {
-                "forward": (got - torch.stack(states)[mine]).abs().max().item(),
-                "dM": (m_local.grad - M.grad[mine]).abs().max().item(),
-                "dB": (b_local.grad - Bs.grad[mine]).abs().max().item(),
-            }
-        )
-    return out
+    from helpers.reference import affine_scan_errors
+
+    return [
+        affine_scan_errors(order, kind, seed, rows=B) for order in _orders(dist.get_world_size(), u, seed)
+    ]
 
 
 @pytest.mark.parametrize("world", [2, 4])

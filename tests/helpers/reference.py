@@ -56,3 +56,45 @@ def packed_positions(b: int, n: int, lengths: list[int]) -> torch.Tensor:
             j += 1
         rows.append(row[:n])
     return torch.tensor(rows)
+
+
+def affine_scan_errors(
+    order: tuple[tuple[int, ...], ...], kind: str, seed: int = 0, rows: int = 2, pass_order: bool = True
+) -> dict[str, float]:
+    """``comm.exclusive_affine_scan`` on this rank's segments of ``order`` (``order[r][i]``: the global id of
+    rank r's segment i) against the sequential fold over all segments in global order: the largest error of
+    the entry states and of the gradients of M and B. ``kind``: ``"dense"`` (gated DeltaNet: (heads, dk, dk)
+    maps of (heads, dk, dv) states) or ``"scalar"`` (Mamba: one decay per head). ``pass_order=False`` calls
+    the scan without ``order`` (its default, the strided order)."""
+    import torch.distributed as dist
+
+    from lightning_longctx.comm import exclusive_affine_scan
+
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    total = len(order) * len(order[0])
+    if kind == "dense":
+        M = torch.randn(total, rows, 2, 3, 3, dtype=torch.float64) * 0.5
+        apply = torch.matmul
+    else:
+        M = torch.rand(total, rows, 2, 1, 1, dtype=torch.float64)
+        apply = torch.mul
+    Bs = torch.randn(total, rows, 2, 3, 4, dtype=torch.float64)
+    W = torch.randn(total, rows, 2, 3, 4, dtype=torch.float64)
+    M.requires_grad_(), Bs.requires_grad_()
+    states = [torch.zeros_like(Bs[0])]
+    for g in range(total - 1):
+        states.append(apply(M[g], states[-1]) + Bs[g])
+    ref = torch.stack(states)
+    (ref * W).sum().add(0 * (M.sum() + Bs.sum())).backward()  # one segment: nothing depends on them
+    mine = list(order[rank])
+    m_local = M.detach()[mine].clone().requires_grad_()
+    b_local = Bs.detach()[mine].clone().requires_grad_()
+    extra = {"order": order} if pass_order else {}
+    got = exclusive_affine_scan(m_local, b_local, apply, dist.group.WORLD, **extra)
+    (got * W[mine]).sum().backward()
+    return {
+        "forward": (got - ref.detach()[mine]).abs().max().item(),
+        "dM": (m_local.grad - M.grad[mine]).abs().max().item(),
+        "dB": (b_local.grad - Bs.grad[mine]).abs().max().item(),
+    }
