@@ -272,3 +272,32 @@ def test_ring_size_from_the_cli(value, want):
     assert isinstance(cli.trainer.strategy, UlyssesFPDTStrategy)
     assert cli.trainer.strategy.sp_config.ring_size == want
     assert cli.trainer.strategy.sp_config.fpdt_chunk_size == 2048
+
+
+def test_fpdt_ring_refusals():
+    """Single process (both groups None: a ring of one, Ulysses of one): each error names the value and the fix;
+    the ring's own checks (documents, window, tiles, backend) run before any collective."""
+    from lightning_longctx.attention.fpdt_ring import fpdt_ring_attention
+
+    q, k, v, _, pos, _ = _inputs(dict(h=4, h_kv=2, packed=[5, 11, 3, 13, 9, 23]))
+    docs = document_ids(pos)
+
+    def call(**kw):
+        args = dict(ulysses_group=None, ring_group=None, chunk_size=C)
+        args.update(kw)
+        return fpdt_ring_attention(q, k, v, **args)
+
+    with pytest.raises(ValueError, match=r"chunk_size 3 must be .* whose double divides the local sequence"):
+        call(chunk_size=3)
+    with pytest.raises(
+        ValueError, match=r"documents shape \(2, 8\) must be \(batch, whole sequence\) = \(2, 64\)"
+    ):
+        call(documents=docs[:, :8])
+    with pytest.raises(ValueError, match="documents must not decrease along a row"):
+        call(documents=docs.flip(1))
+    with pytest.raises(ValueError, match="sliding_window must be a positive"):
+        call(sliding_window=0)
+    with pytest.raises(ValueError, match="block_size must be a positive"):
+        call(block_size=0)
+    with pytest.raises(ValueError, match=r"fpdt_ring_attention computes its blocks .* backend .sdpa."):
+        call(backend="sdpa")

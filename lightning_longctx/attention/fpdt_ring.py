@@ -29,6 +29,7 @@ and ``r`` fp32 dk/dv blocks backward), a block being the K segments of one ring 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,6 @@ import torch
 
 from lightning_longctx.attention.common import (
     check_qkv,
-    check_sinks,
-    check_softcap,
     compute_dtype,
     default_scale,
     local_heads,
@@ -47,13 +46,12 @@ from lightning_longctx.attention.fpdt import (
     BlockPlan,
     UnitKind,
     _SegmentAcc,
-    block_kernels,
     unit_backward,
     unit_forward,
 )
 from lightning_longctx.attention.kernels import merge_sinks, sink_grad
 from lightning_longctx.attention.offload import ChunkStore
-from lightning_longctx.attention.ring import RingLayout
+from lightning_longctx.attention.ring import RingLayout, _check_call
 from lightning_longctx.comm import (
     Group,
     PendingAllToAll,
@@ -106,6 +104,25 @@ class _Call:
         return out
 
 
+def _visits(call: _Call, store: ChunkStore, device: torch.device) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Every ring step's visiting k/v segments in order, ``(the ring rank they belong to, segment s, k/v
+    (2, b, S, h_kv_u, d))``: step 0 this rank's own (``store``'s ``("kv", s)``), step t those of ring rank
+    ``(j - t) mod r``. Each segment's pass to the next rank starts before it is yielded; it is received, into
+    the store of the next step (host memory with offload), when the caller asks for the next segment (drop
+    the yielded one first: two segments alive). Forward and backward walk the ring alike."""
+    r, visiting = call.ring, store
+    for t in range(r):
+        arriving = ChunkStore(offload=call.offload, device=device)
+        for s in range(call.segments):
+            kv = visiting.get(("kv", s))
+            passing = ring_pass_async(kv, call.ring_group, tag=_KV_TAG) if t < r - 1 else None
+            yield (call.ring_rank - t) % r, s, kv
+            del kv
+            if passing is not None:
+                arriving.put(("kv", s), passing.wait())
+        visiting = arriving
+
+
 def _local(x: torch.Tensor, i: int, c: int) -> torch.Tensor:
     return x[:, i * c : (i + 1) * c]
 
@@ -121,7 +138,7 @@ class _FPDTRingAttention(SequenceParallelFunction):
         call: _Call,
     ) -> torch.Tensor:
         """``sinks``: ``(h_u,)`` the sinks of this rank's heads after the all-to-all, or ``None``."""
-        K, c, r = call.segments, call.chunk, call.ring
+        K, c = call.segments, call.chunk
         S = call.plan.seg_len
         store = ChunkStore(offload=call.offload, device=q.device)
         pending = seq_to_head_packed_async(
@@ -138,26 +155,17 @@ class _FPDTRingAttention(SequenceParallelFunction):
         h_u = store.get(("q", 0)).shape[2]
         accs = [_SegmentAcc(S) for _ in range(K)]
         if h_u:  # a Ulysses rank without heads has none in its whole ring (same u): nothing to pass
-            visiting: ChunkStore = store  # step 0: this rank's own k/v segments, under ("kv", s)
-            for t in range(r):
-                src = (call.ring_rank - t) % r
-                arriving = ChunkStore(offload=call.offload, device=q.device)
-                for s in range(K):
-                    kv = visiting.get(("kv", s))
-                    passing = ring_pass_async(kv, call.ring_group, tag=_KV_TAG) if t < r - 1 else None
-                    for i, gi, gs in call.pairs(src, s):
-                        q_i = store.get(("q", i))
-                        for unit in call.plan.units(gi, gs):
-                            blk = unit_forward(
-                                unit, q_i[:, unit.qs], kv[0, :, unit.ks], kv[1, :, unit.ks],
-                                plan=call.plan, scale=call.scale, softcap=call.softcap,
-                            )  # fmt: skip
-                            accs[i].add(unit.qs, *blk)
-                        del q_i
-                    del kv
-                    if passing is not None:
-                        arriving.put(("kv", s), passing.wait())
-                visiting = arriving
+            for src, s, kv in _visits(call, store, q.device):
+                for i, gi, gs in call.pairs(src, s):
+                    q_i = store.get(("q", i))
+                    for unit in call.plan.units(gi, gs):
+                        blk = unit_forward(
+                            unit, q_i[:, unit.qs], kv[0, :, unit.ks], kv[1, :, unit.ks],
+                            plan=call.plan, scale=call.scale, softcap=call.softcap,
+                        )  # fmt: skip
+                        accs[i].add(unit.qs, *blk)
+                    del q_i
+                del kv
         outs: list[torch.Tensor] = []
         pend_out: PendingAllToAll | None = None
         for i in range(K):
@@ -215,42 +223,33 @@ class _FPDTRingAttention(SequenceParallelFunction):
         dq: list[torch.Tensor | None] = [None] * K
         own: list[torch.Tensor | None] = [None] * K  # this rank's dk/dv, home after r hops
         if h_u:
-            visiting: ChunkStore = store
             behind: list[PendingAllToAll | None] = [None] * K  # the visiting segment's dk/dv, one hop behind
-            for t in range(r):
-                src = (call.ring_rank - t) % r
-                arriving = ChunkStore(offload=call.offload, device=grad.device)
-                for s in range(K):
-                    kv = visiting.get(("kv", s))
-                    passing = ring_pass_async(kv, call.ring_group, tag=_KV_TAG) if t < r - 1 else None
-                    dkv = torch.zeros(kv.shape, dtype=ct, device=kv.device)  # (2, b, S, h_kv_u, d)
-                    for i, gi, gs in call.pairs(src, s):
-                        q_i, out_i, lse_i = store.get(("q", i)), store.get(("out", i)), store.get(("lse", i))
-                        dout_i, delta_i = store.get(("dout", i)), store.get(("delta", i))
-                        for unit in call.plan.units(gi, gs):
-                            qs, ks = unit.qs, unit.ks
-                            dq_u, dk_u, dv_u = unit_backward(
-                                unit, dout_i[:, qs], q_i[:, qs], kv[0, :, ks], kv[1, :, ks], out_i[:, qs],
-                                lse_i[:, :, qs], delta_i[:, :, qs] if unit.kind is UnitKind.MATH else None,
-                                plan=call.plan, scale=call.scale, softcap=call.softcap,
-                            )  # fmt: skip
-                            if dq[i] is None:
-                                dq[i] = torch.zeros(q_i.shape, dtype=ct, device=q_i.device)
-                            dq[i][:, qs] += dq_u  # type: ignore[index]
-                            dkv[0, :, ks] += dk_u
-                            dkv[1, :, ks] += dv_u
-                        del q_i, out_i, lse_i, dout_i, delta_i
-                    del kv
-                    came = behind[s]
-                    if came is not None:  # the ranks before this one: their queries' share
-                        dkv += came.wait()
-                    behind[s] = ring_pass_async(dkv, call.ring_group, tag=_DKV_TAG) if r > 1 else None
-                    if r == 1:
-                        own[s] = dkv
-                    if passing is not None:
-                        arriving.put(("kv", s), passing.wait())
-                    del dkv
-                visiting = arriving
+            for src, s, kv in _visits(call, store, grad.device):
+                dkv = torch.zeros(kv.shape, dtype=ct, device=kv.device)  # (2, b, S, h_kv_u, d)
+                for i, gi, gs in call.pairs(src, s):
+                    q_i, out_i, lse_i = store.get(("q", i)), store.get(("out", i)), store.get(("lse", i))
+                    dout_i, delta_i = store.get(("dout", i)), store.get(("delta", i))
+                    for unit in call.plan.units(gi, gs):
+                        qs, ks = unit.qs, unit.ks
+                        dq_u, dk_u, dv_u = unit_backward(
+                            unit, dout_i[:, qs], q_i[:, qs], kv[0, :, ks], kv[1, :, ks], out_i[:, qs],
+                            lse_i[:, :, qs], delta_i[:, :, qs] if unit.kind is UnitKind.MATH else None,
+                            plan=call.plan, scale=call.scale, softcap=call.softcap,
+                        )  # fmt: skip
+                        if dq[i] is None:
+                            dq[i] = torch.zeros(q_i.shape, dtype=ct, device=q_i.device)
+                        dq[i][:, qs] += dq_u  # type: ignore[index]
+                        dkv[0, :, ks] += dk_u
+                        dkv[1, :, ks] += dv_u
+                    del q_i, out_i, lse_i, dout_i, delta_i
+                del kv
+                came = behind[s]
+                if came is not None:  # the ranks before this one: their queries' share
+                    dkv += came.wait()
+                behind[s] = ring_pass_async(dkv, call.ring_group, tag=_DKV_TAG) if r > 1 else None
+                if r == 1:
+                    own[s] = dkv
+                del dkv
             for s in range(K):
                 came = behind[s]
                 if came is not None:  # after the last hop: this rank's own segment, every rank's queries
@@ -321,34 +320,25 @@ def fpdt_ring_attention(
         ``(b, K*c, h, d)`` in q's dtype and layout. Every rank of both groups must call it (and its backward).
     """
     check_qkv(q, k, v)
-    check_softcap(softcap)
-    check_sinks(sinks, q)
-    b, local, h, d = q.shape
+    _, local, h, d = q.shape
     if not isinstance(chunk_size, int) or chunk_size <= 0 or local % (2 * chunk_size):
         raise ValueError(
             f"chunk_size {chunk_size!r} must be a positive number of tokens whose double divides the local "
             f"sequence length {local} (an even number of chunks: half in each of the ring rank's two zigzag "
             f"chunks); shard the batch with shard_batch(..., chunk_size=c, ring=r) (it pads to 2 x P x c)"
         )
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
-        raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window!r}")
-    if not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive number of tokens, got {block_size!r}")
-    ring_rank, ring = group_rank_size(ring_group)
+    _, ring = group_rank_size(ring_group)
     _, ulysses = group_rank_size(ulysses_group)
     segments, seg_len = local // chunk_size, ulysses * chunk_size
-    n = local * ring * ulysses
-    if documents is not None and tuple(documents.shape) != (b, n):
-        raise ValueError(
-            f"documents shape {tuple(documents.shape)} must be (batch, whole sequence) = {(b, n)}: the document "
-            "ids of the WHOLE sequence in GLOBAL order, the same on every rank"
-        )
-    RingLayout(ring_size=ring, seq_len=n, kind="zigzag")  # its checks: N splits into 2r chunks
+    # the ring's own checks (the zigzag's 2r chunks, documents, window, tiles, sinks, softcap, backend), on
+    # every rank before any collective
+    layout = RingLayout(ring_size=ring, seq_len=local * ring * ulysses, kind="zigzag")
+    ring_rank, kernel, bias_kernel = _check_call(
+        q, k, v, group=ring_group, layout=layout, q_len=local * ulysses, sliding_window=sliding_window,
+        documents=documents, softcap=softcap, sinks=sinks, backend=backend, block_size=block_size,
+        caller="fpdt_ring_attention",
+    )  # fmt: skip
     k, v = spread_kv_heads(k, v, h, ulysses)  # outside the Function: autograd sums the copies' gradients
-    masked = documents is not None or sliding_window is not None
-    kernel, bias_kernel = block_kernels(
-        backend, q, k, softcap=softcap, masked=masked, caller="fpdt_ring_attention"
-    )
     plan = BlockPlan.build(
         ring * segments, seg_len, block_size=block_size, causal=causal, sliding_window=sliding_window,
         docs=documents, kernel=kernel, bias_kernel=bias_kernel,
