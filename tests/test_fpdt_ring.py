@@ -4,12 +4,11 @@ offload, both block backends; the layout; Trainer runs against one process; ``ri
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.marks import WORLD8
 from helpers.reference import packed_positions, reference_attention
 from lightning_longctx.sharding import document_ids, gather_sequence, global_index, shard_sequence
 
@@ -90,12 +89,6 @@ def _errors(ring: int) -> dict:
                     None if s is None else s.grad,
                 )
     return found
-
-
-#: 8 processes on 2 cores: opt-in, as tests/test_ring.py's world-8 runs (``LONGCTX_WORLD8=1``)
-WORLD8 = pytest.mark.skipif(
-    not os.environ.get("LONGCTX_WORLD8"), reason="world 8 on 2 cores: LONGCTX_WORLD8=1"
-)
 
 
 @pytest.mark.parametrize(

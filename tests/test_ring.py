@@ -4,13 +4,13 @@ the bytes per rank and the refusals."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.marks import WORLD8
 from helpers.reference import packed_positions, reference_attention
 from lightning_longctx.attention.ring import RING_LAYOUTS, RingLayout, ring_attention, ring_work
 from lightning_longctx.comm import count_all_to_all
@@ -377,12 +377,6 @@ def _usp_errors(ring: int) -> dict:
             err = max((a - b).abs().max().item() for a, b in zip(got, want))
             found[name, kind] = (err, None if s is None else s.grad, ref[4])
     return found
-
-
-#: 8 processes on 2 cores: opt-in, as tests/test_tensor_parallel.py's world-8 run (``LONGCTX_WORLD8=1``)
-WORLD8 = pytest.mark.skipif(
-    not os.environ.get("LONGCTX_WORLD8"), reason="world 8 on 2 cores: LONGCTX_WORLD8=1"
-)
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,6 @@ against one process, every parameter (full tensors gathered), and the refusals."
 
 from __future__ import annotations
 
-import os
-
 import lightning as L
 import pytest
 import torch
@@ -12,6 +10,7 @@ import torch.distributed as dist
 
 from helpers.hf_models import HFModule, TokenDataset, reference_training, tiny_model
 from helpers.lightning import SEQ, lightning_env
+from helpers.marks import WORLD8
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.mesh import ParallelLayout
 
@@ -93,13 +92,6 @@ SLOW = {
     "llama_tied_tp2_sp2_fpdt",
     "llama_tp2_sp2_fpdt_ring2",
 }
-
-
-#: 8 processes on 2 cores: about 3 minutes of the suite's 20, so opt-in (``LONGCTX_WORLD8=1``; the long runs before a
-#: release and any machine with 8 cores run it); dp x tp and sp x tp stay in every run
-WORLD8 = pytest.mark.skipif(
-    not os.environ.get("LONGCTX_WORLD8"), reason="world 8 on 2 cores (~3 min): LONGCTX_WORLD8=1 runs it"
-)
 
 
 def _marks(name: str) -> list:
