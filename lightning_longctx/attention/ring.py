@@ -406,6 +406,24 @@ def _check_call(
     return rank, kernel, bias_kernel
 
 
+def _ring_call(
+    checked: tuple[int, Any, Any],
+    *,
+    group: Group,
+    layout: RingLayout,
+    causal: bool,
+    scale: float,
+    sliding_window: int | None,
+    documents: torch.Tensor | None,
+    softcap: float | None,
+    block_size: int,
+) -> _RingCall:
+    """The :class:`_RingCall` of a call :func:`_check_call` passed (``checked``: its ring rank and kernels)."""
+    rank, kernel, bias_kernel = checked
+    plan = _plan(layout, causal, sliding_window, documents, block_size, kernel, bias_kernel)
+    return _RingCall(group, layout, plan, scale, softcap, _schedule(layout, plan, rank))
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -447,14 +465,15 @@ def ring_attention(
         ``(b, N/r, h, d)`` in q's dtype and ``layout``'s local order. Every rank of ``group`` must call it
         (and its backward): a rank with nothing to compute on a step still passes the k/v on.
     """
-    rank, kernel, bias_kernel = _check_call(
+    checked = _check_call(
         q, k, v, group=group, layout=layout, q_len=q.shape[1], sliding_window=sliding_window,
         documents=documents, softcap=softcap, sinks=sinks, backend=backend, block_size=block_size,
         caller="ring_attention",
     )  # fmt: skip
-    plan = _plan(layout, causal, sliding_window, documents, block_size, kernel, bias_kernel)
-    scale = default_scale(q.shape[-1], softmax_scale)
-    call = _RingCall(group, layout, plan, scale, softcap, _schedule(layout, plan, rank))
+    call = _ring_call(
+        checked, group=group, layout=layout, causal=causal, scale=default_scale(q.shape[-1], softmax_scale),
+        sliding_window=sliding_window, documents=documents, softcap=softcap, block_size=block_size,
+    )  # fmt: skip
     return _RingAttention.apply(q, k, v, sinks, call)
 
 
@@ -502,7 +521,7 @@ def usp_attention(
     :func:`ring_attention`'s."""
     h = q.shape[2]
     _, ulysses = group_rank_size(ulysses_group)
-    _check_call(
+    checked = _check_call(
         q, k, v, group=ring_group, layout=layout, q_len=q.shape[1] * ulysses, sliding_window=sliding_window,
         documents=documents, softcap=softcap, sinks=sinks, backend=backend, block_size=block_size,
         caller="usp_attention",
@@ -514,9 +533,9 @@ def usp_attention(
         out = head_to_seq(q_h.clone(), h, ulysses_group)
         # + 0 exactly (a sum over no heads): the sinks get their zero gradient here too, as on every other rank
         return out if my_sinks is None else out + my_sinks.sum().to(out.dtype)
-    out = ring_attention(
-        q_h, k_h, v_h, group=ring_group, layout=layout, causal=causal, softmax_scale=softmax_scale,
-        sliding_window=sliding_window, documents=documents, softcap=softcap, sinks=my_sinks, backend=backend,
-        block_size=block_size,
+    call = _ring_call(
+        checked, group=ring_group, layout=layout, causal=causal, scale=default_scale(q.shape[-1], softmax_scale),
+        sliding_window=sliding_window, documents=documents, softcap=softcap, block_size=block_size,
     )  # fmt: skip
+    out = _RingAttention.apply(q_h, k_h, v_h, my_sinks, call)  # ring_attention, checked above
     return head_to_seq(out, h, ulysses_group)
