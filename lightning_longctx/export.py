@@ -143,7 +143,7 @@ def export_pretrained(
     _remove_tree(partial)
     partial.mkdir(parents=True)
     try:
-        # safetensors is save_pretrained's default in every transformers this package supports (>= 4.56)
+        # safetensors is save_pretrained's default in every transformers this package supports (>= 5.24)
         model.save_pretrained(partial)
         if tok is not None:
             tok.save_pretrained(partial)
