@@ -41,6 +41,7 @@ from lightning_longctx.attention.ulysses import ulysses_attention
 from lightning_longctx.comm import Group, group_rank_size
 from lightning_longctx.config import MODES, Mode, ResolvedConfig, SequenceParallelConfig
 from lightning_longctx.integrations.context import SequenceParallelContext
+from lightning_longctx.integrations.hf_symbols import check_symbols
 from lightning_longctx.integrations.hybrid import find_mixers, patch_mixers, unpatch_mixers
 from lightning_longctx.integrations.hybrid.base import halo_error, mixer_halo
 from lightning_longctx.integrations.lm_head import read_chunked_head
@@ -314,7 +315,8 @@ def _routes_tokens(mlp: nn.Module, model: nn.Module) -> bool:
     """Whether ``mlp`` holds a router whose logits the model records (``output_router_logits``): tiling
     it would record them without autograd. The router class is the one transformers records
     (``_can_record_outputs["router_logits"]``); a module with ``experts`` counts too."""
-    recorder = getattr(model.get_decoder(), "_can_record_outputs", {}).get("router_logits")
+    # transformers 5.x defaults `_can_record_outputs` to None on a model without recorded outputs
+    recorder = (getattr(model.get_decoder(), "_can_record_outputs", None) or {}).get("router_logits")
     router = getattr(recorder, "target_class", recorder)
     return hasattr(mlp, "experts") or (
         isinstance(router, type) and any(isinstance(m, router) for m in mlp.modules())
@@ -407,6 +409,7 @@ def enable_sequence_parallel(
             f"enable_sequence_parallel expects a transformers PreTrainedModel, got {type(model).__name__}. "
             "Plain PyTorch models call lightning_longctx.ulysses_attention / fpdt_attention themselves"
         )
+    check_symbols(model)  # every transformers symbol we patch, rebind, read or call: present and as expected
     name = type(model).__name__
     if context_of(model) is not None:
         raise ValueError(
