@@ -455,3 +455,15 @@ class Saver:
             commit_it()
         for path in doomed:
             remove(path)
+
+    def close(self) -> None:
+        """:meth:`wait`, then destroy the gloo group of the background saves (its threads end with it); a later
+        save makes a new one. Every rank calls it (teardown)."""
+        try:
+            self.wait()
+        finally:
+            group, self._group = self._group, None
+            if group is not None:
+                import torch.distributed as dist
+
+                dist.destroy_process_group(group)

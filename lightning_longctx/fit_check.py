@@ -52,7 +52,7 @@ from lightning_longctx.planner import (
     plan_memory,
     step_plan_kwargs,
 )
-from lightning_longctx.planner.shapes import model_shape
+from lightning_longctx.planner.shapes import model_shape, text_config
 
 __all__ = [
     "WARN_MARGIN",
@@ -226,6 +226,19 @@ def _plan_kwargs(inputs: _ModelInputs, parallel: ResolvedConfig, step: _Step) ->
     return kwargs
 
 
+def _probe_need(inputs: _ModelInputs, parallel: ResolvedConfig, step: _Step, probe: tuple[int, int]) -> int:
+    """The self-test's device memory: the plan of a step whose every rank holds the whole probe (the reference
+    runs it unsharded on each rank: ``sp x tokens`` planned over sp), plus the float32 logits it keeps, ``(rows,
+    tokens, vocab)`` of each run and their gathered copies (four)."""
+    rows, tokens = probe
+    probe_step = dataclasses.replace(step, seq_len=tokens * parallel.sp, micro_batch_size=rows)
+    plan = plan_memory(
+        inputs.config, **_plan_kwargs(inputs, parallel, probe_step), device_memory=step.capacity
+    )
+    vocab = int(getattr(text_config(inputs.config), "vocab_size", 0) or 0)
+    return plan.device_needed + 4 * rows * tokens * vocab * 4
+
+
 def _check_counts(plan: MemoryPlan, inputs: _ModelInputs) -> None:
     """The module holds the parameters the plan counts: all trainable, or a frozen base and LoRA adapters."""
     if inputs.lora_rank is None:
@@ -348,6 +361,7 @@ class FitVerdict:
     fits: bool
     message: str
     warn: bool = False
+    probe_need: int | None = None  # the self-test's device memory (``_probe_need``), when it will run
 
 
 def _terms(plan: MemoryPlan) -> str:
@@ -405,11 +419,13 @@ def check_first_step(
     capacity: int,
     where: str,
     device_type: str,
+    probe: tuple[int, int] | None = None,
 ) -> FitVerdict:
     """Plan the step of ``batch`` (its ``input_ids`` ``(micro_batch, seq_len)``) for ``module`` under the
     resolved settings ``parallel`` against ``capacity`` bytes per device (``where`` names them in the message)
     on a ``device_type`` device (the planner's reserve holds a CUDA context except on ``"cpu"``). No collective: every rank given the same inputs decides alike. Raises :class:`Unplannable` when the
-    planner cannot plan it."""
+    planner cannot plan it. ``probe``: the self-test's ``(rows, tokens)`` (``self_test.probe_shape``), run
+    before the step on the same states; its peak is planned too (:func:`_probe_need`) and must fit as well."""
     ids = batch.get("input_ids") if isinstance(batch, dict) else None
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise Unplannable("the batch has no 2-D input_ids")
@@ -422,19 +438,36 @@ def check_first_step(
         raise Unplannable(str(err)) from None
     _check_counts(plan, inputs)
     free = capacity - plan.device_needed
+    probe_need = None if probe is None else _probe_need(inputs, parallel, step, probe)
+    if plan.fits and probe_need is not None and probe_need > capacity:
+        return FitVerdict(
+            plan,
+            False,
+            probe_need=probe_need,
+            message=f"UlyssesFPDTStrategy fit check: the first training step fits ({format_bytes(plan.device_needed)} per "
+            f"device), but the self-test before it needs {format_bytes(probe_need)} (its probe of {probe[0]} x "
+            f"{probe[1]} tokens and their logits), more than the {format_bytes(capacity)} of {where}. Turn the "
+            "self-test off (self_test=False) or free memory",
+        )
     if plan.fits:
         text = (
             f"UlyssesFPDTStrategy fit check: the first training step needs {format_bytes(plan.device_needed)} per "
             f"device (peak {format_bytes(plan.device_total)} in the {plan.peak_phase} + reserve), {where} has "
             f"{format_bytes(capacity)}: {format_bytes(free)} free"
         )
+        if probe_need is not None:
+            text += f"; the self-test before it needs {format_bytes(probe_need)}"
         warn = free < WARN_MARGIN * capacity
         if warn:
             text += (
                 f", less than {WARN_MARGIN:.0%}: the plan is a model, and allocator fragmentation or a tensor it "
                 f"does not count may still run out of memory; largest terms: {_terms(plan)}"
             )
-        return FitVerdict(plan, True, text, warn)
+        return FitVerdict(plan, True, text, warn, probe_need)
     return FitVerdict(
-        plan, False, _refusal(plan, where, _alternatives(inputs, parallel, step), inputs, kwargs)
+        plan,
+        False,
+        _refusal(plan, where, _alternatives(inputs, parallel, step), inputs, kwargs),
+        False,
+        probe_need,
     )

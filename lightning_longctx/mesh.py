@@ -5,11 +5,16 @@ all-to-alls), the data-parallel group (the token-mean window's totals), the tens
 DTensors) and the replica mesh, the flattened ``data_parallel x sequence_parallel`` view that FSDP2 shards
 over and DDP reduces over. One mesh family: FSDP2 composes with TP only when both meshes share a root, and
 no communicator is built twice.
+
+The groups live as long as the mesh is used: :meth:`WorldMesh.destroy` ends them (the strategy calls it at
+teardown), all but the default group, which belongs to whoever initialised it.
 """
 
 from __future__ import annotations
 
+from contextlib import suppress
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 #: the mesh's axes, outermost first: tensor parallelism innermost (NVLink), sequence parallelism next to it,
@@ -124,6 +129,85 @@ class WorldMesh:
     @property
     def replica_group(self) -> Any:
         return self.replicas.get_group()
+
+    @cached_property
+    def _groups(self) -> tuple[Any, ...]:
+        """This rank's groups of the mesh, each once, in the same order on every rank (read before any is
+        destroyed: a destroyed group's name no longer resolves); some may be the default group itself."""
+        groups = [*self.root.get_all_groups(), self.replica_group, self.tp_group, self.sp_group]
+        groups += [g for g in (self.dp_group, self.ring_group, self.ulysses_group) if g is not None]
+        return tuple({id(g): g for g in groups}.values())
+
+    @cached_property
+    def _sharding_groups(self) -> tuple[Any, ...]:
+        """The groups FSDP2's and TP's DTensors live on: the replicas', and the tp axis's when ``tp > 1``."""
+        return (self.replica_group, self.tp_group) if self.layout.tp > 1 else (self.replica_group,)
+
+    def destroy(self, *, keep_sharding: bool = False) -> None:
+        """Destroy the process groups this mesh created, so that their communicators end (each gloo group
+        keeps threads until then). Every rank calls it, once nothing runs or will run on these groups; it is
+        local (no collective) and idempotent.
+
+        Never the default group, which belongs to whoever initialised it (Lightning, the user): an axis
+        spanning the whole world IS that group (on CPU and with NCCL; torch gives it a group of its own on a
+        CUDA machine whose default group is gloo, and that one is destroyed). ``keep_sharding``: keep the
+        groups FSDP2's and TP's DTensors live on (``replicas``; ``tp`` when ``tp > 1``): a model sharded on
+        this mesh uses them for as long as it lives (its full state dict after the fit, a checkpoint, its
+        forward, its next fit, which does not shard it again), so they stay until the process ends."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return  # the default group is gone, and every other group went with it
+        groups, sharding = self._groups, self._sharding_groups  # both read before any group is destroyed
+        kept = sharding if keep_sharding else ()
+        destroyed = []
+        for group in groups:
+            if group is dist.group.WORLD or any(group is k for k in kept):
+                continue
+            with suppress(ValueError):  # destroyed by an earlier call: torch knows it no more
+                dist.destroy_process_group(group)
+            destroyed.append(group.group_name)
+        _forget_groups(self.root, destroyed)
+        if destroyed:
+            forget_dtensor_caches()
+
+
+def _forget_groups(root: Any, names: list[str]) -> None:
+    """Drop what torch's ``DeviceMesh`` keeps of destroyed groups (private attributes, each probed): torch
+    2.13 holds the group objects in the root's ``_pg_registry``, and a group's communicator (a gloo group's
+    threads) lasts as long as its object, i.e. as long as anything holds the root (a sharded model, DTensor's
+    caches); older torch (2.5, 2.6, ...) caches flattened meshes in ``_mesh_resources`` keyed by the root's
+    ranks and axis names, which would hand the next mesh of the same layout this one's destroyed groups."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    registry = getattr(root, "_pg_registry", None)
+    if isinstance(registry, dict):
+        for name in names:
+            registry.pop(name, None)
+    for cache in ("root_to_flatten_mapping", "flatten_name_to_root_dims", "flatten_name_to_root_layout"):
+        mapping = getattr(_mesh_resources, cache, None)
+        if isinstance(mapping, dict):
+            mapping.pop(root, None)
+
+
+def forget_dtensor_caches() -> None:
+    """Clear DTensor's sharding-propagation and redistribution caches (private, each probed; torch 2.13's C++
+    one is what matters): they key on mesh equality (ranks, shape, axis names, not the groups), and would hand
+    the DTensors of the next equal mesh in this process the destroyed groups of this one ("Could not resolve
+    the process group registered under the name ...")."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute as redistribute
+
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    for clear in (
+        getattr(getattr(propagator, "propagate_op_sharding", None), "cache_clear", None),
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),
+        getattr(getattr(redistribute, "_gen_transform_infos", None), "cache_clear", None),
+        getattr(redistribute, "clear_redistribute_planner_cache", None),
+    ):
+        if callable(clear):
+            clear()
 
 
 def can_flatten(mesh: Any) -> bool:

@@ -29,6 +29,7 @@ Without Lightning (every rank runs this; see docs/user_guide.md, "Without Lightn
     undo = parallelize(model, mesh, config)
     ...  # train on shard_batch(batch, group=mesh.sp_group) with the loss multiplied by config.sp
     undo()
+    mesh.destroy()  # its process groups (every rank), once the model is done with them
 """
 
 from __future__ import annotations
@@ -86,7 +87,12 @@ def _tp_split(model: nn.Module) -> bool:
 
 
 def parallelize(
-    model: nn.Module, mesh: WorldMesh, config: ResolvedConfig, *, param_dtype: torch.dtype | None = None
+    model: nn.Module,
+    mesh: WorldMesh,
+    config: ResolvedConfig,
+    *,
+    param_dtype: torch.dtype | None = None,
+    before_sharding: Callable[[Parallelized], None] | None = None,
 ) -> Parallelized:
     """Make the Hugging Face models inside ``model`` (a ``PreTrainedModel``, or any module holding some, e.g.
     a LightningModule or a peft model) parallel over ``mesh``, in place, in the order of the module docstring:
@@ -101,6 +107,8 @@ def parallelize(
         param_dtype: FSDP2's compute dtype over the fp32 sharded parameters (``MixedPrecisionPolicy``,
             gradients reduced in fp32), e.g. ``torch.bfloat16`` for ``bf16-mixed``; ``None``: the parameters'
             dtype. Under ``data_parallel="ddp"`` it is not read (mixed precision is the caller's autocast).
+        before_sharding: called with the handle after step 3, before FSDP2 (every rank; the strategy's
+            float32 self-test, which FSDP2's low ``param_dtype`` would make impossible after it).
 
     Returns:
         a :class:`Parallelized` handle; calling it undoes the swap and the checkpointing.
@@ -129,6 +137,8 @@ def parallelize(
             done.restore_checkpointing.append(
                 enable_activation_checkpointing(module, offload=config.settings.activation_offload)
             )
+    if before_sharding is not None:
+        before_sharding(done)
     # 4. FSDP2 over the replicas (the flattened dp x sp axis)
     if config.settings.data_parallel == "fsdp":
         FSDP2Sharding(mesh, cpu_offload=config.settings.cpu_offload).shard(model, param_dtype=param_dtype)

@@ -25,6 +25,7 @@ import difflib
 import hashlib
 import inspect
 import textwrap
+import time
 import typing
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -166,6 +167,13 @@ class UlyssesFPDTStrategy(DDPStrategy):
             (``"80GiB"``, ``"141GB"``, bytes) or a device kind of the planner (``"a100-40gb"``, ``"a100-80gb"``,
             ``"h100"``, ``"h200"``, ``"b200"``); on a CPU, which has no device memory to read, it turns the
             check on (a CPU run's plan reserves no CUDA context).
+        self_test: before the first training step, run each transformers model as parallelized against the
+            same model with sequence parallelism off on a short probe, on every rank, on these devices and
+            kernels, and refuse the run (:class:`~lightning_longctx.self_test.SelfTestFailed`, naming the first
+            module that diverges) where they differ beyond the compute dtype's tolerance (``self_test.py``,
+            docs/user_guide.md). Nothing of the run changes when they agree. ``"auto"`` (default) and ``True``:
+            on (a plain module, which calls our attention itself, cannot be tested: ``"auto"`` says so in the
+            log, ``True`` refuses it at setup); ``False``: off, said in the log.
         kwargs: the settings above, and ``DDPStrategy``'s own (e.g. DDP's ``find_unused_parameters``).
             Any other keyword raises a ``TypeError`` naming the closest setting, and so do DDP's
             keywords away from their defaults with ``data_parallel="fsdp"`` (FSDP2 would ignore them).
@@ -181,6 +189,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
         gradient_as_bucket_view: bool = True,
         fit_check: bool | Literal["auto"] = "auto",
         fit_check_device_memory: int | str | None = None,
+        self_test: bool | Literal["auto"] = "auto",
         **kwargs: Any,
     ) -> None:
         settings = {name: kwargs.pop(name) for name in _CONFIG_FIELDS if name in kwargs}
@@ -215,6 +224,12 @@ class UlyssesFPDTStrategy(DDPStrategy):
         self._fit_check_device = fit_check_device_memory  # as given, for the messages
         self._fit_check_pending = fit_check is not False
         self._fit_plan: MemoryPlan | None = None
+        if self_test not in (True, False, "auto"):
+            raise ValueError(f"self_test={self_test!r} must be 'auto', True or False")
+        self._self_test = self_test
+        self._self_test_pending = self_test is not False
+        #: the self-test's reports (``self_test.SelfTestReport``), one per model, once it ran
+        self.self_test_reports: list[Any] = []
 
     # ---- layout ----
     @property
@@ -243,7 +258,10 @@ class UlyssesFPDTStrategy(DDPStrategy):
     def world_mesh(self) -> WorldMesh:
         """The one device mesh and its views (mesh.py); every process group the strategy uses is in it."""
         if self._world is None:
-            raise RuntimeError("Accessing the device mesh before the strategy is set up is not allowed")
+            raise RuntimeError(
+                "the device mesh exists between the strategy's setup and its teardown (the end of fit, which "
+                "destroys its process groups); it was read outside them"
+            )
         return self._world
 
     @property
@@ -352,6 +370,8 @@ class UlyssesFPDTStrategy(DDPStrategy):
             )
         self._precision = precision
         self._fitting = trainer.state.fn == TrainerFn.FITTING
+        if self._fitting:  # every fit checks its own first step
+            self._self_test_pending, self.self_test_reports = self._self_test is not False, []
         # a preemption signal sets a flag; every rank saves at the next optimizer step (preemption.py)
         preemption.install(trainer)
         if self.layout.tp > 1:  # gradient clipping by norm over the gradients of both meshes (TP, dp x sp)
@@ -373,7 +393,11 @@ class UlyssesFPDTStrategy(DDPStrategy):
         # FSDP2 computes in the low dtype over fp32 master weights (Lightning's autocast stays on: harmless over
         # low-precision parameters, and it keeps its fp32 ops in fp32); DDP reads no param_dtype
         self._parallelized = parallelize(
-            self.model, self.world_mesh, self.config, param_dtype=MIXED_PRECISION_DTYPES.get(self._precision)
+            self.model,
+            self.world_mesh,
+            self.config,
+            param_dtype=MIXED_PRECISION_DTYPES.get(self._precision),
+            before_sharding=self._float32_self_test,
         )
         if self.layout.ring > 1 and not self._contexts:  # a plain module's own attention reads no ring layout
             raise ValueError(
@@ -383,6 +407,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
                 "ring_size=1, or call lightning_longctx.attention.ring.usp_attention in your module with "
                 "batches from shard_batch(..., ring=ring_size)"
             )
+        self._announce_self_test()
         if self._fitting:
             self.configure_ddp()
             self.setup_optimizers(trainer)
@@ -394,6 +419,21 @@ class UlyssesFPDTStrategy(DDPStrategy):
             if isinstance(self._ddp_comm_state, post_localSGD.PostLocalSGDState):
                 self._enable_model_averaging()
 
+    def _announce_self_test(self) -> None:
+        """Setup: say when the self-test will not run, or refuse ``self_test=True`` where it cannot."""
+        if not self._fitting or self._self_test is False:
+            if self._fitting:
+                rank_zero_info("UlyssesFPDTStrategy self-test off (self_test=False): the run is not checked")
+            return
+        if not self._contexts and self.sp_size > 1:
+            why = (
+                "the LightningModule holds no transformers model; a plain module calls our attention itself and "
+                "has no sequence-parallel-off twin to compare with"
+            )
+            if self._self_test is True:
+                raise ValueError(f"self_test=True cannot run: {why}. Use self_test='auto' or False")
+            rank_zero_info(f"UlyssesFPDTStrategy self-test skipped: {why}")
+
     @property
     def _contexts(self) -> list[SequenceParallelContext]:
         """The patched models' contexts (their guardrail counters, the current batch's positions)."""
@@ -401,11 +441,16 @@ class UlyssesFPDTStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self._saver.wait()  # a checkpoint still being written in the background is finished and committed
+        self._saver.close()  # a checkpoint still being written in the background is finished and committed
         # The models leave the strategy as they came: plain attention, loss, forward and checkpointing again
         # (TP and FSDP2 stay: a model sharded once keeps its shards).
         self._parallelized.undo()
         super().teardown()
+        # the mesh's groups end here (a gloo group keeps threads), but those an FSDP2 / TP model's shards live
+        # on: it uses them after the fit (full_state_dict, save_checkpoint, its next fit)
+        if self._world is not None:
+            self._world.destroy(keep_sharding=self.sp_config.data_parallel == "fsdp")
+            self._world = None
 
     # ---- the data-parallel piece: DDP (ddp.py) or FSDP2 (fsdp.py), chosen once in setup_environment ----
     @override
@@ -605,8 +650,93 @@ class UlyssesFPDTStrategy(DDPStrategy):
                 ctx.positions = BatchPositions(local=out["position_ids"], full=full, length=ids.shape[1])
             self._check_positions(batch, ids.shape[1])
             self._check_hybrid_batch(out["position_ids"].shape[-1], chunk)
+        if self._self_test_pending and self.lightning_module.trainer.training:
+            self._run_self_test(batch)
         self._batches_sharded += 1
         return out
+
+    # ---- the self-test (self_test.py) ----
+    @property
+    def _float32_before_sharding(self) -> bool:
+        """FSDP2 under a ``*-mixed`` precision computes in its low ``param_dtype``: no float32 run is possible
+        after it shards, so the self-test's float32 check runs just before, on the model every device holds
+        whole at that point (with ``cpu_offload`` the host holds it: not checked in float32)."""
+        return (
+            self._fitting
+            and self._self_test is not False
+            and self.sp_config.data_parallel == "fsdp"
+            and self._precision.endswith("-mixed")
+            and not self.sp_config.cpu_offload
+        )
+
+    def _float32_self_test(self, done: Parallelized) -> None:
+        """``parallelize``'s hook before FSDP2: the float32 check on a probe of synthetic tokens (no batch is at
+        hand yet), the same probe rules; two packed documents unless a mixer refuses them."""
+        from lightning_longctx.self_test import synthetic_batch
+
+        if not self._float32_before_sharding or not done.contexts:
+            return
+        try:
+            self._self_test_run(
+                done,
+                synthetic_batch(done.models[0], self.root_device),
+                "in float32, before FSDP2 shards the model, ",
+                precision="32-true",
+                autocast=lambda: torch.autocast(self.root_device.type, enabled=False),
+                packed=all(packed_documents_refusal(ctx) is None for ctx in done.contexts),
+            )
+        except BaseException:
+            done.undo()  # raised inside parallelize: the strategy holds no handle yet to undo it at teardown
+            raise
+
+    def _run_self_test(self, batch: Mapping[str, Any]) -> None:
+        """The first training batch, after its checks, before its forward: every patched model against itself
+        with sequence parallelism off (every rank; the verdict agreed inside)."""
+        self._self_test_pending = False
+        if not self._contexts:
+            return  # said at setup
+        self._self_test_run(
+            self._parallelized,
+            batch,
+            "",
+            precision=self._precision,
+            autocast=self.precision_plugin.train_step_context,
+            # FSDP2 computes in the low param_dtype of a "-mixed" precision: its float32 check ran before it sharded
+            fp32_layout=self._precision.endswith("-mixed") and self.sp_config.data_parallel == "ddp",
+        )
+
+    def _self_test_run(
+        self, done: Parallelized, batch: Mapping[str, Any], when: str, **settings: Any
+    ) -> None:
+        """``self_test.run_self_test`` of ``done``'s models on ``batch`` with this strategy's layout; its reports
+        kept in :attr:`self_test_reports`, one info line on a match (it raises on a mismatch)."""
+        from lightning_longctx.self_test import run_self_test
+
+        start = time.perf_counter()
+        reports = run_self_test(
+            list(done.models),
+            list(done.contexts),
+            batch,
+            config=self.config,
+            group=self.sp_group,
+            device=self.root_device,
+            **settings,
+        )
+        self.self_test_reports += reports
+        rank_zero_info(
+            f"UlyssesFPDTStrategy self-test {when}passed in {time.perf_counter() - start:.2f} s: "
+            + "; ".join(r.summary() for r in reports)
+        )
+
+    def _self_test_probe(self, batch: Any) -> tuple[int, int] | None:
+        """``(rows, tokens)`` of the self-test's probe for ``batch`` (``None``: no self-test will run)."""
+        if not self._self_test_pending or not self._contexts:
+            return None
+        from lightning_longctx.self_test import probe_shape
+
+        rows = min(2, int(batch["input_ids"].shape[0]))
+        halo = max(ctx.mixer_halo for ctx in self._contexts)
+        return rows, probe_shape(self.config, halo, packed=False).length
 
     # ---- the fit check (fit_check.py) ----
     @property
@@ -639,6 +769,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
                 capacity=capacity,
                 where=where,
                 device_type=device.type,
+                probe=self._self_test_probe(batch),
             )
         except Unplannable as why:
             rank_zero_info(

@@ -24,6 +24,8 @@ from torch import nn
 
 _TILE_ATTR = "_longctx_tile_chunk"
 _ORIG_ATTR = "_longctx_untiled_forward"
+#: the instance attributes :func:`tile_mlp_` sets on a module (what ``sequence_parallel_off`` puts back)
+TILED_ATTRS = ("forward", _TILE_ATTR, _ORIG_ATTR)
 
 
 def _chunks(n: int, chunk_size: int) -> list[slice]:

@@ -858,6 +858,10 @@ def _run_one(arch: Arch, mode: str, group: Any) -> dict[str, Any]:
         row.update(loss_err=loss_err, grad_err=errs[worst], worst_param=worst, ref_loss=ref_loss, loss=loss)
         if loss_err <= TOLERANCE and errs[worst] <= TOLERANCE:
             row["verdict"] = "exact"
+            try:  # an exact model must pass the strategy's self-test too, in fp32 and bf16 (no false refusal)
+                row["self_test"] = self_test_errors(sp_model, batch, group)
+            except Exception as e:
+                row.update(verdict="WRONG", reason=f"exact, but the self-test refused it: {_clean(str(e))}")
         else:
             bad = sorted(n for n, e in errs.items() if e > TOLERANCE)
             row["bad_params"] = bad
@@ -868,6 +872,50 @@ def _run_one(arch: Arch, mode: str, group: Any) -> dict[str, Any]:
     finally:
         disable_sequence_parallel(sp_model)
         row["seconds"] = time.perf_counter() - start
+
+
+#: The precisions the self-test runs each exact architecture in, and their autocast.
+SELF_TEST_PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16}
+
+
+def self_test_errors(
+    sp_model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    group: Any,
+    precisions: dict[str, torch.dtype | None] = SELF_TEST_PRECISIONS,
+) -> dict[str, float | None]:
+    """The strategy's self-test (``self_test.run_self_test``) of a patched model in each of ``precisions`` (a
+    precision -> its autocast dtype): its largest relative error in the precision's own dtype; it raises on a
+    refusal. ``None`` where the plain model itself cannot run in that precision (DBRX's experts under CPU bf16
+    autocast: ``index_add_`` of bf16 into fp32), which the self-test then cannot judge either."""
+    import contextlib
+
+    from lightning_longctx.integrations.transformers import context_of, sequence_parallel_off
+    from lightning_longctx.self_test import SelfTestFailed, run_self_test
+
+    ctx = context_of(sp_model)
+    worst: dict[str, float | None] = {}
+    for precision, dtype in precisions.items():
+        autocast = (
+            contextlib.nullcontext if dtype is None else (lambda d=dtype: torch.autocast("cpu", dtype=d))
+        )
+        try:
+            (report,) = run_self_test(
+                [sp_model], [ctx], batch, config=ctx.config, group=group, precision=precision,
+                autocast=autocast, device=torch.device("cpu"), fp32_layout=False,  # "32-true" runs that one
+            )  # fmt: skip
+        except SelfTestFailed:
+            raise
+        except Exception as e:
+            with sequence_parallel_off(sp_model), autocast(), torch.no_grad():
+                try:
+                    sp_model(**batch)
+                except type(e):
+                    worst[precision] = None  # the plain model fails alike
+                    continue
+            raise
+        worst[precision] = max(report.checks[-1].errors.values())  # the check in the precision's own dtype
+    return worst
 
 
 def sweep(mode: str, names: list[str] | None = None) -> list[dict[str, Any]]:
@@ -1002,6 +1050,10 @@ def _run_packed(arch: Arch, mode: str, group: Any, checkpointing: bool = False) 
         )
         if loss_err <= PACKED_TOLERANCE and errs[worst] <= PACKED_TOLERANCE:
             row["verdict"] = "exact"
+            try:  # and the self-test on packed rows (its probe then packs two documents), in float64
+                row["self_test"] = self_test_errors(sp_model, batch, group, {"64-true": None})
+            except Exception as e:
+                row.update(verdict="WRONG", reason=f"exact, but the self-test refused it: {_clean(str(e))}")
         else:
             row["bad_params"] = sorted(n for n, e in errs.items() if e > PACKED_TOLERANCE)
             row["reason"] = "the loss differs" if loss_err > PACKED_TOLERANCE else "gradients differ"
@@ -1144,6 +1196,23 @@ def format_table(results: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(out)
 
 
+def self_test_floors(results: dict[str, list[dict[str, Any]]]) -> str:
+    """The self-test's noise floor per mode and precision: its largest relative error over the exact
+    architectures, and which architecture showed it (what ``self_test.TOLERANCE`` is set against)."""
+    lines = ["self-test noise floor (largest relative error over the exact architectures):"]
+    for mode, rows in results.items():
+        for precision in SELF_TEST_PRECISIONS:
+            seen = [
+                (r["self_test"][precision], r["arch"])
+                for r in rows
+                if r.get("self_test", {}).get(precision) is not None
+            ]
+            if seen:
+                err, arch = max(seen)
+                lines.append(f"  {mode:8s} {precision:10s} {err:.1e} ({arch}; {len(seen)} architectures)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--write-docs", action="store_true", help=f"write {DOCS.relative_to(ROOT)}")
@@ -1154,6 +1223,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     results = run_all(names)
     print(format_table(results))
+    print(self_test_floors(results))
     print(f"{time.perf_counter() - start:.0f}s")
     if args.write_docs and names is None:
         DOCS.write_text(render_docs(results))

@@ -162,6 +162,28 @@ def test_bench_frontier(tmp_path: Path) -> None:
     assert all(r["fits"] == "yes" for r in data["configs"])
 
 
+def test_bench_self_test_prices_every_gpu_config(tmp_path: Path) -> None:
+    """The self-test priced on every shipped GPU config (planner only): the formula of the script's docstring,
+    the probe of ``self_test.probe_shape``, and a small fraction of one step."""
+    out = tmp_path / "self_test.json"
+    proc = _run_script(["benchmarks/bench_self_test.py", "--planner-only", "--out", str(out)], timeout=120)
+    assert "llama3_8b_500k_1gpu" in proc.stdout
+    rows = json.loads(out.read_text())["priced"]
+    gpu = {
+        p.stem for p in (ROOT / "examples" / "configs").glob("*.yaml") if "accelerator: gpu" in p.read_text()
+    }
+    assert {r["config"] for r in rows} == gpu
+    for r in rows:
+        # FSDP2 under bf16-mixed: float32 (before sharding) then bf16, bf16 only with cpu_offload; FPDT: two
+        # probe chunks of 8 per rank, one extra forward
+        expected = ["bfloat16"] if "cpu_offload" in r["layout"] else ["float32", "bfloat16"]
+        assert r["checks"] == len(expected) and r["check_dtypes"] == expected, r
+        assert r["probe_chunk"] == 8 and r["probe_length"] % 16 == 0 and r["probe_rows"] == 1
+        assert r["self_test_s"] == pytest.approx(r["checks"] * (2 * r["run_s"] + r["forward_s"]))
+        assert r["logits_bytes"] == 4 * r["probe_rows"] * r["probe_length"] * r["vocab_size"] * 4
+        assert 0 < r["ratio"] < 0.02 and r["logits_pct_of_peak"] < 1, r
+
+
 def test_bench_tp_bytes_are_the_formula(tmp_path: Path) -> None:
     """Tensor x sequence parallelism at world 4: each rank's all-to-all bytes equal the formula with t (the
     TP-local heads: 1/t of the bytes at a given sp)."""

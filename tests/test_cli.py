@@ -311,6 +311,17 @@ def test_slurm_tasks_per_node_must_match_devices(monkeypatch):
         L.Trainer(strategy=UlyssesFPDTStrategy(sequence_parallel_size=2), accelerator="cpu", devices=2)
 
 
+class _GroupRanks(L.Callback):
+    """The ranks of the strategy's sp and dp groups, read during the fit (its teardown destroys them)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        s = trainer.strategy
+        self.ranks = {
+            "sp_group": dist.get_process_group_ranks(s.sp_group),
+            "dp_group": dist.get_process_group_ranks(s.dp_group),
+        }
+
+
 def _fit_under_fake_slurm() -> dict:
     """One rank of a fake 2-node x 2-task srun job: a one-step fit, then the groups the mesh built."""
     from lightning_longctx.recipes import CausalLM
@@ -338,12 +349,13 @@ def _fit_under_fake_slurm() -> dict:
             enable_model_summary=False,
         )
         data = RecallDataModule(seq_len=32, vocab_size=64, num_pairs=2, batch_size=1, train_samples=4)
+        groups = _GroupRanks()
+        trainer.callbacks.append(groups)
         trainer.fit(CausalLM(model_config=config), data)
         s = trainer.strategy
         return {
             "env": type(s.cluster_environment).__name__,
-            "sp_group": dist.get_process_group_ranks(s.sp_group),
-            "dp_group": dist.get_process_group_ranks(s.dp_group),
+            **groups.ranks,
             "sampler": s.distributed_sampler_kwargs,
             "train_sampler": dict(
                 num_replicas=trainer.train_dataloader.sampler.num_replicas,

@@ -28,6 +28,7 @@ from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.config import SequenceParallelConfig
 from lightning_longctx.fit_check import Unplannable, check_first_step, enabled, fit_check_capacity
 from lightning_longctx.planner import format_bytes, parse_bytes, plan_memory
+from lightning_longctx.self_test import probe_shape
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 CAPACITY = "256MiB"
@@ -238,6 +239,13 @@ def test_the_shipped_configs_are_planned_as_lightning_longctx_plan_plans_them():
                                    capacity=80 << 30, where="here", device_type=device)  # fmt: skip
         model_config, kwargs, _ = plan_kwargs_from_config(config)
         assert verdict.plan == plan_memory(model_config, **kwargs, device_memory=80 << 30), name
+        # the self-test before the step is planned too, and needs less than the step it precedes
+        halo = 3 if "qwen3_5" in name else 0
+        probe = (min(2, batch["input_ids"].shape[0]), probe_shape(parallel, halo, packed=False).length)
+        checked = check_first_step(model, [model], adam, parallel, batch, precision=str(trainer["precision"]),
+                                   capacity=80 << 30, where="here", device_type=device, probe=probe)  # fmt: skip
+        assert "the self-test before it needs" in checked.message
+        assert 0 < checked.probe_need < checked.plan.device_needed, (name, checked.message)
 
 
 def test_a_ring_layout_is_planned_not_refused():

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.launch import process_groups
 from helpers.marks import WORLD8
 from helpers.reference import packed_positions, reference_attention
 from lightning_longctx.sharding import document_ids, gather_sequence, global_index, shard_sequence
@@ -48,28 +49,28 @@ def _errors(ring: int) -> dict:
     from lightning_longctx.mesh import ParallelLayout, build_world_mesh
 
     world = dist.get_world_size()
-    mesh = build_world_mesh(ParallelLayout(world_size=world, sp=world, ring=ring), "cpu")
-    sp = mesh.sp_group
+    with process_groups() as own:
+        mesh = own(build_world_mesh(ParallelLayout(world_size=world, sp=world, ring=ring), "cpu"))
+        sp = mesh.sp_group
 
-    def shard(x):
-        return shard_sequence(x, group=sp, chunk_size=C, ring=ring)
+        def shard(x):
+            return shard_sequence(x, group=sp, chunk_size=C, ring=ring)
 
-    found = {}
-    for name, cfg in CASES.items():
-        q, k, v, w, pos, sinks = _inputs(cfg)
-        ins = [x.clone().requires_grad_() for x in (q, k, v)]
-        s = None if sinks is None else sinks.clone().requires_grad_()
-        ref = reference_attention(
-            *ins, causal=cfg.get("causal", True), position_ids=pos, scale=cfg.get("scale"),
-            sliding_window=cfg.get("window"), softcap=cfg.get("softcap"), sinks=s,
-        )  # fmt: skip
-        (ref * w).sum().backward()
-        want = [shard(x) for x in (ref.detach(), *(x.grad for x in ins))]
-        variants = [("auto", False)]
-        if name in ("documents", "everything"):  # offload and the math blocks: the same numbers
-            variants += [("auto", True), ("math", True)]
-        for backend, offload in variants:
-            if True:
+        found = {}
+        for name, cfg in CASES.items():
+            q, k, v, w, pos, sinks = _inputs(cfg)
+            ins = [x.clone().requires_grad_() for x in (q, k, v)]
+            s = None if sinks is None else sinks.clone().requires_grad_()
+            ref = reference_attention(
+                *ins, causal=cfg.get("causal", True), position_ids=pos, scale=cfg.get("scale"),
+                sliding_window=cfg.get("window"), softcap=cfg.get("softcap"), sinks=s,
+            )  # fmt: skip
+            (ref * w).sum().backward()
+            want = [shard(x) for x in (ref.detach(), *(x.grad for x in ins))]
+            variants = [("auto", False)]
+            if name in ("documents", "everything"):  # offload and the math blocks: the same numbers
+                variants += [("auto", True), ("math", True)]
+            for backend, offload in variants:
                 got_ins = [shard(x).requires_grad_() for x in (q, k, v)]
                 gs = None if sinks is None else sinks.clone().requires_grad_()
                 out = fpdt_ring_attention(
@@ -88,7 +89,7 @@ def _errors(ring: int) -> dict:
                     None if gs is None else gs.grad,
                     None if s is None else s.grad,
                 )
-    return found
+        return found
 
 
 @pytest.mark.parametrize(
@@ -138,10 +139,11 @@ def _gather_roundtrip(ring: int) -> bool:
     from lightning_longctx.mesh import ParallelLayout, build_world_mesh
 
     world = dist.get_world_size()
-    mesh = build_world_mesh(ParallelLayout(world_size=world, sp=world, ring=ring), "cpu")
-    x = torch.arange(2 * N).reshape(2, N)
-    part = shard_sequence(x, group=mesh.sp_group, chunk_size=C, ring=ring)
-    return torch.equal(gather_sequence(part, group=mesh.sp_group, chunk_size=C, ring=ring), x)
+    with process_groups() as own:
+        mesh = own(build_world_mesh(ParallelLayout(world_size=world, sp=world, ring=ring), "cpu"))
+        x = torch.arange(2 * N).reshape(2, N)
+        part = shard_sequence(x, group=mesh.sp_group, chunk_size=C, ring=ring)
+        return torch.equal(gather_sequence(part, group=mesh.sp_group, chunk_size=C, ring=ring), x)
 
 
 def test_fpdt_ring_gather_inverts_shard(dist_pool):

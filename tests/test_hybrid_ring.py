@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.launch import process_groups
 from lightning_longctx.comm import count_all_to_all, exclusive_affine_scan, halo_exchange, strided_order
 from lightning_longctx.integrations.hybrid.base import segment_order
 from lightning_longctx.sharding import global_index
@@ -178,46 +179,50 @@ def _model_errors(names: list[str], sp: int, ring: int, packed: bool, chunk: int
     config = SequenceParallelConfig(sequence_parallel_size=sp, ring_size=ring, fpdt_chunk_size=chunk).resolve(
         dist.get_world_size(), 0, "cpu"
     )
-    mesh = build_world_mesh(config.layout, "cpu")
-    rows = []
-    for name in names:
-        arch = arch_sweep.arch_by_name(name)
-        arch = arch_sweep.Arch(arch.name, arch.model_class, arch.config_class, arch.what,
-                               {**arch.overrides, "output_router_logits": False}, arch.moe)  # fmt: skip
-        model = arch_sweep.build_model(arch).double()
-        model.config._experts_implementation = "eager"  # grouped_mm takes no float64
-        sp_model = copy.deepcopy(model)
-        if packed:
-            batch = arch_sweep.make_packed_batch()
-            ref_loss = arch_sweep._documents_alone(model, batch)
-        else:
-            batch = arch_sweep.make_batch()
-            ref = model(**batch).loss
-            ref.backward()
-            ref_loss = ref.item()
-        enable_sequence_parallel(
-            sp_model, group=mesh.sp_group, config=config, ring_groups=(mesh.ring_group, mesh.ulysses_group)
-        )
-        try:
-            loss = sp_model(**shard_batch(batch, group=mesh.sp_group, chunk_size=chunk, ring=ring)).loss
-            loss.backward()
-        finally:
-            disable_sequence_parallel(sp_model)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in sp_model.parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=mesh.sp_group)  # the strategy SUMS gradients over the SP ranks
-        refs = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-        scale = max(r.abs().max().item() for r in refs)
-        d_grad, rel_grad = 0.0, 0.0
-        for g, r in zip(flat.split([g.numel() for g in grads]), refs):
-            err = (g.reshape(r.shape) - r).abs().max().item()
-            d_grad = max(d_grad, err)
-            rel_grad = max(rel_grad, err / max(r.abs().max().item(), arch_sweep.GRAD_FLOOR * scale))
-        d_loss = abs(loss.item() - ref_loss)
-        rel_loss = d_loss / abs(ref_loss)
-        rows.append(dict(arch=name, sp=sp, ring=ring, packed=packed, d_loss=d_loss, rel_loss=rel_loss,
-                         d_grad=d_grad, rel_grad=rel_grad))  # fmt: skip
-    return rows
+    with process_groups() as own:
+        mesh = own(build_world_mesh(config.layout, "cpu"))
+        rows = []
+        for name in names:
+            arch = arch_sweep.arch_by_name(name)
+            arch = arch_sweep.Arch(arch.name, arch.model_class, arch.config_class, arch.what,
+                                   {**arch.overrides, "output_router_logits": False}, arch.moe)  # fmt: skip
+            model = arch_sweep.build_model(arch).double()
+            model.config._experts_implementation = "eager"  # grouped_mm takes no float64
+            sp_model = copy.deepcopy(model)
+            if packed:
+                batch = arch_sweep.make_packed_batch()
+                ref_loss = arch_sweep._documents_alone(model, batch)
+            else:
+                batch = arch_sweep.make_batch()
+                ref = model(**batch).loss
+                ref.backward()
+                ref_loss = ref.item()
+            enable_sequence_parallel(
+                sp_model,
+                group=mesh.sp_group,
+                config=config,
+                ring_groups=(mesh.ring_group, mesh.ulysses_group),
+            )
+            try:
+                loss = sp_model(**shard_batch(batch, group=mesh.sp_group, chunk_size=chunk, ring=ring)).loss
+                loss.backward()
+            finally:
+                disable_sequence_parallel(sp_model)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in sp_model.parameters()]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=mesh.sp_group)  # the strategy SUMS gradients over the SP ranks
+            refs = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+            scale = max(r.abs().max().item() for r in refs)
+            d_grad, rel_grad = 0.0, 0.0
+            for g, r in zip(flat.split([g.numel() for g in grads]), refs):
+                err = (g.reshape(r.shape) - r).abs().max().item()
+                d_grad = max(d_grad, err)
+                rel_grad = max(rel_grad, err / max(r.abs().max().item(), arch_sweep.GRAD_FLOOR * scale))
+            d_loss = abs(loss.item() - ref_loss)
+            rel_loss = d_loss / abs(ref_loss)
+            rows.append(dict(arch=name, sp=sp, ring=ring, packed=packed, d_loss=d_loss, rel_loss=rel_loss,
+                             d_grad=d_grad, rel_grad=rel_grad))  # fmt: skip
+        return rows
 
 
 def _check(rows: list[dict]) -> None:
@@ -280,17 +285,18 @@ def _halves_too_short() -> str:
     from lightning_longctx.mesh import build_world_mesh
 
     config = SequenceParallelConfig(sequence_parallel_size=4, ring_size=4).resolve(4, 0, "cpu")
-    mesh = build_world_mesh(config.layout, "cpu")
-    model = tiny_model("qwen3_5")  # a conv of kernel 4: 3 tokens of halo
-    enable_sequence_parallel(
-        model, group=mesh.sp_group, config=config, ring_groups=(mesh.ring_group, mesh.ulysses_group)
-    )
-    ids = torch.randint(1, 64, (1, 16))  # 4 tokens per rank: two halves of 2
-    try:
-        model(**shard_batch({"input_ids": ids, "labels": ids}, group=mesh.sp_group, ring=4))
-    except ValueError as err:
-        return str(err)
-    return "NO ERROR"
+    with process_groups() as own:
+        mesh = own(build_world_mesh(config.layout, "cpu"))
+        model = tiny_model("qwen3_5")  # a conv of kernel 4: 3 tokens of halo
+        enable_sequence_parallel(
+            model, group=mesh.sp_group, config=config, ring_groups=(mesh.ring_group, mesh.ulysses_group)
+        )
+        ids = torch.randint(1, 64, (1, 16))  # 4 tokens per rank: two halves of 2
+        try:
+            model(**shard_batch({"input_ids": ids, "labels": ids}, group=mesh.sp_group, ring=4))
+        except ValueError as err:
+            return str(err)
+        return "NO ERROR"
 
 
 def test_halves_shorter_than_the_halo_are_refused_on_every_rank(dist_pool):

@@ -6,24 +6,26 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.launch import process_groups
 from lightning_longctx.config import MODES, Mode, SequenceParallelConfig
 from lightning_longctx.mesh import REPLICA_AXIS, TP_AXIS, ParallelLayout, build_world_mesh
 
 
 def _mesh_groups(sp: int, tp: int, flatten: bool) -> dict:
     layout = ParallelLayout(world_size=dist.get_world_size(), sp=sp, tp=tp)
-    mesh = build_world_mesh(layout, "cpu", flatten=flatten)
-    ranks = dist.get_process_group_ranks
-    return {
-        "flattened": mesh.flattened,
-        "sp": ranks(mesh.sp_group),
-        "dp": ranks(mesh.dp_group),
-        "tp": ranks(mesh.tp_group),
-        "replicas": ranks(mesh.replica_group),
-        "names": (mesh.replicas.mesh_dim_names, mesh.tp.mesh_dim_names),
-        # FSDP2 composes the replica and TP meshes only when they share one root
-        "one_root": mesh.replicas._get_root_mesh() is mesh.tp._get_root_mesh(),
-    }
+    with process_groups() as own:
+        mesh = own(build_world_mesh(layout, "cpu", flatten=flatten))
+        ranks = dist.get_process_group_ranks
+        return {
+            "flattened": mesh.flattened,
+            "sp": ranks(mesh.sp_group),
+            "dp": ranks(mesh.dp_group),
+            "tp": ranks(mesh.tp_group),
+            "replicas": ranks(mesh.replica_group),
+            "names": (mesh.replicas.mesh_dim_names, mesh.tp.mesh_dim_names),
+            # FSDP2 composes the replica and TP meshes only when they share one root
+            "one_root": mesh.replicas._get_root_mesh() is mesh.tp._get_root_mesh(),
+        }
 
 
 @pytest.mark.parametrize("sp, tp", [(2, 2), (2, 1), (1, 2)])
@@ -53,17 +55,18 @@ def test_world_mesh_groups_follow_the_layout_with_and_without_flatten(dist_pool,
 
 def _ring_mesh_groups(sp: int, ring: int, tp: int, flatten: bool) -> dict:
     layout = ParallelLayout(world_size=dist.get_world_size(), sp=sp, tp=tp, ring=ring)
-    mesh = build_world_mesh(layout, "cpu", flatten=flatten)
-    ranks = dist.get_process_group_ranks
-    return {
-        "sp": ranks(mesh.sp_group),
-        "dp": ranks(mesh.dp_group),
-        "tp": ranks(mesh.tp_group),
-        "replicas": ranks(mesh.replica_group),
-        "ring": ranks(mesh.ring_group),
-        "ulysses": ranks(mesh.ulysses_group),
-        "one_root": mesh.replicas._get_root_mesh() is mesh.tp._get_root_mesh(),
-    }
+    with process_groups() as own:
+        mesh = own(build_world_mesh(layout, "cpu", flatten=flatten))
+        ranks = dist.get_process_group_ranks
+        return {
+            "sp": ranks(mesh.sp_group),
+            "dp": ranks(mesh.dp_group),
+            "tp": ranks(mesh.tp_group),
+            "replicas": ranks(mesh.replica_group),
+            "ring": ranks(mesh.ring_group),
+            "ulysses": ranks(mesh.ulysses_group),
+            "one_root": mesh.replicas._get_root_mesh() is mesh.tp._get_root_mesh(),
+        }
 
 
 @pytest.mark.parametrize("sp, ring, tp", [(4, 2, 1), (4, 4, 1), (2, 2, 2), (2, 2, 1)])
@@ -130,31 +133,33 @@ def _lightning_free_step(chunk: int | None, flatten: bool) -> dict:
         fpdt_chunk_size=chunk,
         activation_checkpointing=True,
     ).resolve(dist.get_world_size(), 0, "cpu")
-    mesh = build_world_mesh(config.layout, "cpu", flatten=flatten)
-    model = tiny_model("llama")
-    reference = copy.deepcopy(model)
-    torch.manual_seed(1)
-    ids = torch.randint(0, 64, (1, 32))
-    batch = {"input_ids": ids, "labels": ids.clone()}
-    want = reference(**batch).loss
-    want.backward()
+    with process_groups() as own:  # the FSDP2 / TP model runs on the mesh's groups to the end
+        mesh = own(build_world_mesh(config.layout, "cpu", flatten=flatten))
+        model = tiny_model("llama")
+        reference = copy.deepcopy(model)
+        torch.manual_seed(1)
+        ids = torch.randint(0, 64, (1, 32))
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        want = reference(**batch).loss
+        want.backward()
 
-    undo = parallelize(model, mesh, config)
-    local = shard_batch(batch, group=mesh.sp_group, chunk_size=config.chunk_for(ids.shape[1]))
-    loss = model(**local).loss
-    (loss * config.sp).backward()  # FSDP2 averages over the dp x sp replicas: x sp makes it the sum over sp
-    errors = {}
-    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        errors[name] = ((grad - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-12)).item()
-    patched = context_of(model) is not None
-    undo()
-    return {
-        "loss": abs(loss.item() - want.item()),
-        "errors": errors,
-        "patched": patched,
-        "undone": context_of(model) is None and not model.model.gradient_checkpointing,
-    }
+        undo = parallelize(model, mesh, config)
+        local = shard_batch(batch, group=mesh.sp_group, chunk_size=config.chunk_for(ids.shape[1]))
+        loss = model(**local).loss
+        # FSDP2 averages over the dp x sp replicas: x sp makes it the sum over sp
+        (loss * config.sp).backward()
+        errors = {}
+        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            errors[name] = ((grad - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-12)).item()
+        patched = context_of(model) is not None
+        undo()
+        return {
+            "loss": abs(loss.item() - want.item()),
+            "errors": errors,
+            "patched": patched,
+            "undone": context_of(model) is None and not model.model.gradient_checkpointing,
+        }
 
 
 @pytest.mark.parametrize("chunk, flatten", [(None, True), (4, False)])

@@ -1600,26 +1600,29 @@ def _fpdt_ring_live(heads: int, kv_heads: int, offload: bool) -> tuple[int, int,
     above its inputs, what its forward keeps (its output included), its backward peak above that."""
     import torch.distributed as dist
 
+    from helpers.launch import process_groups
     from lightning_longctx.attention.fpdt_ring import fpdt_ring_attention
     from lightning_longctx.mesh import ParallelLayout, build_world_mesh
 
     torch.set_num_threads(1)
     n, d, rank = 4096, 32, dist.get_rank()
-    mesh = build_world_mesh(ParallelLayout(world_size=2, sp=2, ring=2), "cpu")
-    live = _LiveBytes.mode()
-    with live:
-        g = torch.Generator().manual_seed(rank)
-        q, k, v = (
-            torch.randn(1, n // 2, hh, d, generator=g).requires_grad_() for hh in (heads, kv_heads, kv_heads)
-        )
-        dout = torch.randn(1, n // 2, heads, d, generator=g)
-        before = live.reset()
-        out = fpdt_ring_attention(q, k, v, ulysses_group=mesh.ulysses_group, ring_group=mesh.ring_group,
-                                  chunk_size=256, offload=offload)  # fmt: skip
-        forward, kept = live.peak - before, live.reset() - before
-        out.backward(dout)
-        backward = live.peak - kept - before
-    return forward, kept, backward
+    with process_groups() as own:
+        mesh = own(build_world_mesh(ParallelLayout(world_size=2, sp=2, ring=2), "cpu"))
+        live = _LiveBytes.mode()
+        with live:
+            g = torch.Generator().manual_seed(rank)
+            q, k, v = (
+                torch.randn(1, n // 2, hh, d, generator=g).requires_grad_()
+                for hh in (heads, kv_heads, kv_heads)
+            )
+            dout = torch.randn(1, n // 2, heads, d, generator=g)
+            before = live.reset()
+            out = fpdt_ring_attention(q, k, v, ulysses_group=mesh.ulysses_group, ring_group=mesh.ring_group,
+                                      chunk_size=256, offload=offload)  # fmt: skip
+            forward, kept = live.peak - before, live.reset() - before
+            out.backward(dout)
+            backward = live.peak - kept - before
+        return forward, kept, backward
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.launch import process_groups
 from helpers.marks import WORLD8
 from helpers.reference import packed_positions, reference_attention
 from lightning_longctx.attention.ring import RING_LAYOUTS, RingLayout, ring_attention, ring_work
@@ -156,9 +157,10 @@ def test_ring_matches_full_attention(dist_pool, world):
 def _strided_rings() -> dict:
     """Two rings of 2 over 4 ranks, strided as USP lays them out ({0, 2} and {1, 3}): neighbours are found
     by ring rank, not global rank."""
-    rings = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    mine = rings[dist.get_rank() % 2]
-    return _errors(CASES["everything"], group=mine, seed=dist.get_rank() % 2)
+    with process_groups() as own:
+        rings = [own(dist.new_group([0, 2])), own(dist.new_group([1, 3]))]
+        mine = rings[dist.get_rank() % 2]
+        return _errors(CASES["everything"], group=mine, seed=dist.get_rank() % 2)
 
 
 def test_ring_on_strided_subgroups(dist_pool):
@@ -355,28 +357,29 @@ def _usp_errors(ring: int) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     par = ParallelLayout(world_size=world, sp=world, ring=ring)
-    mesh = build_world_mesh(par, "cpu")
-    j, u, ulysses = par.ring_rank(rank), par.ulysses_rank(rank), par.ulysses
-    found = {}
-    for name, cfg in USP_CASES.items():
-        q, k, v, w, pos, sinks = _inputs(cfg)
-        ref = _reference(cfg, q, k, v, w, pos, sinks)
-        for kind in RING_LAYOUTS:
-            layout = RingLayout(ring_size=ring, seq_len=N, kind=kind)
-            ins = [layout.sp_shard(x, j, u, ulysses).requires_grad_() for x in (q, k, v)]
-            s = None if sinks is None else sinks.clone().requires_grad_()
-            out = usp_attention(
-                *ins, ulysses_group=mesh.ulysses_group, ring_group=mesh.ring_group, layout=layout,
-                causal=cfg.get("causal", True), softmax_scale=cfg.get("scale"), sliding_window=cfg.get("window"),
-                documents=None if pos is None else document_ids(pos), softcap=cfg.get("softcap"), sinks=s,
-                block_size=cfg.get("block", 1024),
-            )  # fmt: skip
-            (out * layout.sp_shard(w, j, u, ulysses)).sum().backward()
-            got = (out.detach(), *(x.grad for x in ins))
-            want = [layout.sp_shard(x, j, u, ulysses) for x in ref[:4]]
-            err = max((a - b).abs().max().item() for a, b in zip(got, want))
-            found[name, kind] = (err, None if s is None else s.grad, ref[4])
-    return found
+    with process_groups() as own:
+        mesh = own(build_world_mesh(par, "cpu"))
+        j, u, ulysses = par.ring_rank(rank), par.ulysses_rank(rank), par.ulysses
+        found = {}
+        for name, cfg in USP_CASES.items():
+            q, k, v, w, pos, sinks = _inputs(cfg)
+            ref = _reference(cfg, q, k, v, w, pos, sinks)
+            for kind in RING_LAYOUTS:
+                layout = RingLayout(ring_size=ring, seq_len=N, kind=kind)
+                ins = [layout.sp_shard(x, j, u, ulysses).requires_grad_() for x in (q, k, v)]
+                s = None if sinks is None else sinks.clone().requires_grad_()
+                out = usp_attention(
+                    *ins, ulysses_group=mesh.ulysses_group, ring_group=mesh.ring_group, layout=layout,
+                    causal=cfg.get("causal", True), softmax_scale=cfg.get("scale"),
+                    sliding_window=cfg.get("window"), documents=None if pos is None else document_ids(pos),
+                    softcap=cfg.get("softcap"), sinks=s, block_size=cfg.get("block", 1024),
+                )  # fmt: skip
+                (out * layout.sp_shard(w, j, u, ulysses)).sum().backward()
+                got = (out.detach(), *(x.grad for x in ins))
+                want = [layout.sp_shard(x, j, u, ulysses) for x in ref[:4]]
+                err = max((a - b).abs().max().item() for a, b in zip(got, want))
+                found[name, kind] = (err, None if s is None else s.grad, ref[4])
+        return found
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.hf_models import HFModule, TokenDataset, reference_training, tiny_model
+from helpers.launch import process_groups
 from helpers.lightning import SEQ, lightning_env
 from helpers.lora import MODES, SeenPatched, lora_errors, lora_model
 from lightning_longctx import UlyssesFPDTStrategy
@@ -299,17 +300,19 @@ def _grad_scaler_skips_on_every_rank():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    param = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
-    grad = torch.ones(4, 2)
-    grad[0, 0] = float("inf")  # row 0 is rank 0's
-    param.grad = distribute_tensor(grad, mesh, [Shard(0)])
-    optimizer = torch.optim.SGD([param], lr=1.0)
-    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-    scaler.scale(torch.ones(()))  # as Lightning's backward does
-    scaler.step(optimizer)  # unscales (finding the inf), then skips the step
-    scaler.update()
-    return scaler.get_scale(), param.full_tensor()
+    # a mesh over the world: the default group on CPU, a group of its own on a CUDA machine
+    with process_groups() as own:
+        mesh = own(init_device_mesh("cpu", (dist.get_world_size(),)))
+        param = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+        grad = torch.ones(4, 2)
+        grad[0, 0] = float("inf")  # row 0 is rank 0's
+        param.grad = distribute_tensor(grad, mesh, [Shard(0)])
+        optimizer = torch.optim.SGD([param], lr=1.0)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        scaler.scale(torch.ones(()))  # as Lightning's backward does
+        scaler.step(optimizer)  # unscales (finding the inf), then skips the step
+        scaler.update()
+        return scaler.get_scale(), param.full_tensor()
 
 
 def test_16_mixed_grad_scaler_agrees_across_ranks(dist_pool):

@@ -160,14 +160,16 @@ def test_settings_are_written_once_and_seen_by_the_cli():
 # ---- guardrails ----
 
 
-def _fit_module(module, sp, steps=1, ckpt_path=None, data_parallel="ddp", **trainer_kwargs):
+def _fit_module(module, sp, steps=1, ckpt_path=None, data_parallel="ddp", self_test="auto", **trainer_kwargs):
     lightning_env()
     kwargs = dict(
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
     )
     kwargs.update(trainer_kwargs)
     trainer = L.Trainer(
-        strategy=UlyssesFPDTStrategy(sequence_parallel_size=sp, data_parallel=data_parallel),
+        strategy=UlyssesFPDTStrategy(
+            sequence_parallel_size=sp, data_parallel=data_parallel, self_test=self_test
+        ),
         accelerator="cpu",
         devices=dist.get_world_size(),
         max_steps=steps,
@@ -177,9 +179,9 @@ def _fit_module(module, sp, steps=1, ckpt_path=None, data_parallel="ddp", **trai
     return trainer
 
 
-def _expect_error(build):
+def _expect_error(build, self_test="auto"):
     try:
-        _fit_module(build(), 2)
+        _fit_module(build(), 2, self_test=self_test)
     except (RuntimeError, ValueError) as e:
         return str(e)
     return "NO ERROR"
@@ -225,16 +227,22 @@ def _dataloader_iter_module():
 
 
 @pytest.mark.parametrize(
-    "build,expected",
+    "build,self_test,expected",
     [
-        (_bloom_module, "does not route attention through transformers' AttentionInterface"),
-        (_one_layer_bypasses_swap, "only 1 of 2 attention layers went through sequence-parallel attention"),
-        (_dataloader_iter_module, "training_step(dataloader_iter) bypasses it"),
+        (_bloom_module, "auto", "does not route attention through transformers' AttentionInterface"),
+        # two nets: the self-test names the layer before the first step; without it, the first step's count
+        (_one_layer_bypasses_swap, "auto", "): model.layers.1.self_attn (its inputs agree"),
+        (
+            _one_layer_bypasses_swap,
+            False,
+            "only 1 of 2 attention layers went through sequence-parallel attention",
+        ),
+        (_dataloader_iter_module, "auto", "training_step(dataloader_iter) bypasses it"),
     ],
-    ids=["bloom", "layer_bypasses_swap", "dataloader_iter"],
+    ids=["bloom", "layer_bypasses_swap", "layer_bypasses_swap_no_self_test", "dataloader_iter"],
 )
-def test_guardrails_refuse_silent_no_ops(dist_pool, build, expected):
-    for msg in dist_pool(2).run(_expect_error, build):
+def test_guardrails_refuse_silent_no_ops(dist_pool, build, self_test, expected):
+    for msg in dist_pool(2).run(_expect_error, build, self_test):
         assert expected in msg, msg
 
 

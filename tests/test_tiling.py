@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from helpers.launch import process_groups
 from lightning_longctx import sequence_parallel_cross_entropy, shard_sequence
 from lightning_longctx.chunked_loss import chunked_lm_head_cross_entropy
 from lightning_longctx.tiling import is_tiled, tile_mlp_, tiled_forward, untile_mlp_
@@ -197,13 +198,16 @@ def _check_vocab_parallel(chunk: int, vocab_ranks: int) -> dict[str, float]:
     full-weight chunked loss on the same tokens: loss, hidden gradient, this block's weight / bias gradient.
     Ranks ``[k t, (k+1) t)`` share a vocabulary group (tensor parallel, innermost); the others an sp group."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    vocab_groups = [dist.new_group(list(range(k, k + vocab_ranks))) for k in range(0, world, vocab_ranks)]
-    sp_groups = [dist.new_group(list(range(k, world, vocab_ranks))) for k in range(vocab_ranks)]
-    vocab_group, sp_group = vocab_groups[rank // vocab_ranks], sp_groups[rank % vocab_ranks]
-    return {
-        case: _vocab_parallel_error(case, chunk, vocab_ranks, vocab_group, sp_group)
-        for case in ("plain", "bias", "scale_softcap")
-    }
+    with process_groups() as own:
+        vocab_groups = [
+            own(dist.new_group(list(range(k, k + vocab_ranks)))) for k in range(0, world, vocab_ranks)
+        ]
+        sp_groups = [own(dist.new_group(list(range(k, world, vocab_ranks)))) for k in range(vocab_ranks)]
+        vocab_group, sp_group = vocab_groups[rank // vocab_ranks], sp_groups[rank % vocab_ranks]
+        return {
+            case: _vocab_parallel_error(case, chunk, vocab_ranks, vocab_group, sp_group)
+            for case in ("plain", "bias", "scale_softcap")
+        }
 
 
 def _vocab_parallel_error(case, chunk, vocab_ranks, vocab_group, sp_group) -> float:

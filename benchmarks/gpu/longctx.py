@@ -3,6 +3,7 @@
     python benchmarks/gpu/longctx.py mfu --seq-lens 32768 65536 131072 262144 --budget-s 150 --out OUT/mfu.json
     python benchmarks/gpu/longctx.py fit --start 65536 --budget-s 180 --out OUT/fit.json
     python benchmarks/gpu/longctx.py fit --cpu-offload --activation-offload --budget-s 120 --out OUT/fit_offload.json
+    python benchmarks/gpu/longctx.py selftest --out OUT/selftest.json
 
 Model: Llama shape, hidden 2048, 16 layers, 16 heads (head_dim 128), 8 kv heads, intermediate 5632,
 vocab 32000 (~0.9B parameters), bf16 weights, fused AdamW; one sample of N tokens per step, random
@@ -38,7 +39,20 @@ all-to-alls are identities, the kernels and tiling are the ones used at any P):
   ``max_memory_reserved`` and the device memory in use at the end (the CUDA context too) vs the planned
   ``device_needed`` with the default reserve, and the process's peak RSS vs the planned ``host_needed``.
 
-Both write their JSON after each length, so a run killed by ``timeout`` keeps what it measured.
+* ``selftest``: the strategy's self-test (``lightning_longctx.self_test.run_self_test``) of a tiny Llama (hidden
+  512, 4 heads of 128, 2 kv heads, 2 layers, vocab 1024) on this device at P = 1, Ulysses and FPDT + offload,
+  each in ``32-true`` (float32 weights: one float32 check) and ``bf16-mixed`` (float32 weights under bf16
+  autocast, as DDP runs it: a float32 check with autocast off, then a bf16 one): the relative errors of the
+  logits, the input-embedding gradient and the loss per check against the tolerance, and the seconds. Exit
+  status 1 when one fails.
+
+``mfu`` and ``fit`` run the same self-test first, on their first length's batch, with the run's own settings
+(bf16 weights: ``bf16-true``, one bf16 check; ``--cpu-offload``: FSDP2 over fp32 master weights with bf16
+compute, ``bf16-mixed``, one bf16 check), and record it as ``self_test`` in their JSON: so a GPU's first run
+of the check shows whether our CUDA paths are exact on it. A failed self-test is recorded, the measurements go
+on, and the command exits with status 3.
+
+All write their JSON after each length, so a run killed by ``timeout`` keeps what it measured.
 ``--device cpu --tiny`` runs the same logic at toy sizes on a CPU (a dry run of the script).
 """
 
@@ -66,6 +80,17 @@ SHAPE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention
          "vocab_size")  # fmt: skip
 MODEL_1B = dict(zip(SHAPE, (2048, 5632, 16, 16, 8, 32000)))
 MODEL_TINY = dict(zip(SHAPE, (64, 128, 2, 4, 2, 512)))
+#: the ``selftest`` model: tiny, with the head dim of the 1B (the kernels are chosen by it)
+MODEL_SELFTEST = dict(zip(SHAPE, (512, 1024, 2, 4, 2, 1024)))
+#: ``selftest``: (mode, precision) of each run
+SELFTEST_RUNS = (
+    ("ulysses", "32-true"),
+    ("ulysses", "bf16-mixed"),
+    ("fpdt", "32-true"),
+    ("fpdt", "bf16-mixed"),
+)
+#: exit status of ``mfu`` / ``fit`` when their self-test did not pass (their measurements still ran)
+SELF_TEST_FAILED = 3
 SDPA_BACKENDS = dict(
     flash="FLASH_ATTENTION", cudnn="CUDNN_ATTENTION", efficient="EFFICIENT_ATTENTION", math="MATH"
 )
@@ -132,11 +157,100 @@ def single_rank_group(device: torch.device) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def make_ids(n: int, vocab: int, device: torch.device, rows: int = 1) -> torch.Tensor:
+    """``(rows, n)`` random token ids, seeded by ``n``."""
+    return torch.randint(1, vocab, (rows, n), generator=torch.Generator().manual_seed(n)).to(device)
+
+
 def make_batch(n: int, vocab: int, device: torch.device, chunk: int | None) -> dict[str, torch.Tensor]:
     from lightning_longctx import shard_batch
 
-    ids = torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
+    ids = make_ids(n, vocab, device)
     return shard_batch({"input_ids": ids, "labels": ids}, group=None, chunk_size=chunk)
+
+
+def run_self_test(
+    model: torch.nn.Module, ids: torch.Tensor, device: torch.device, precision: str, fp32_layout: bool
+) -> dict[str, Any]:
+    """The strategy's self-test of the patched ``model`` on ``ids`` ``(b, N)`` (the first batch, whole), as
+    ``UlyssesFPDTStrategy`` runs it under ``precision`` (a ``*-mixed`` one under its bf16 / fp16 autocast;
+    ``fp32_layout``: float32 parameters under it, so float32 is compared first). Its report as a dict: the probe,
+    each check's relative errors and tolerance, where a failed one diverges first, the seconds; an exception
+    other than a refusal is recorded too (``error``)."""
+    from lightning_longctx.integrations.transformers import context_of
+    from lightning_longctx.self_test import SelfTestFailed
+    from lightning_longctx.self_test import run_self_test as self_test
+
+    low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+
+    def autocast() -> Any:
+        return contextlib.nullcontext() if low is None else torch.autocast(device.type, dtype=low)
+
+    ctx = context_of(model)
+    start = time.perf_counter()
+    out: dict[str, Any] = {
+        "precision": precision,
+        "mode": ctx.config.mode.value,
+        "offload": ctx.config.offload,
+    }
+    try:
+        (report,) = self_test(
+            [model],
+            [ctx],
+            {"input_ids": ids},
+            config=ctx.config,
+            group=None,
+            precision=precision,
+            autocast=autocast,
+            device=device,
+            fp32_layout=fp32_layout,
+        )
+    except SelfTestFailed as e:
+        report = e.report
+        out["error"] = str(e)
+    except Exception as e:  # a crash of the self-test itself: recorded, the check goes on
+        seconds = round(time.perf_counter() - start, 3)
+        out.update(passed=False, seconds=seconds, error=f"{type(e).__name__}: {str(e)[:1000]}")
+        return out
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()  # the probe's blocks: not the measured step's
+    out.update(
+        passed=report.passed,
+        seconds=round(report.seconds, 3),
+        probe={"rows": report.rows, "length": report.probe.length, "chunk": report.probe.chunk},
+        checks=[
+            {
+                "dtype": str(c.dtype).removeprefix("torch."),
+                "errors": c.errors,
+                "tolerance": c.tolerance,
+                "passed": c.passed,
+                "divergence": c.divergence,
+            }
+            for c in report.checks
+        ],
+        summary=report.summary(),
+    )
+    return out
+
+
+def self_test_line(result: dict[str, Any]) -> str:
+    """One line: passed or FAILED, the seconds and the errors (or the error)."""
+    verdict = "passed" if result.get("passed") else "FAILED"
+    what = result.get("summary") or result.get("error", "")
+    if not result.get("passed") and result.get("error"):
+        what = result["error"][:600]
+    return (
+        f"self-test {verdict} in {result.get('seconds')} s ({result['mode']}, {result['precision']}): {what}"
+    )
+
+
+def _run_precision(args: argparse.Namespace) -> tuple[str, bool]:
+    """The strategy's precision of a ``mfu`` / ``fit`` run and whether its parameters stay float32 under it:
+    bf16 weights (``bf16-true``), or with ``--cpu-offload`` FSDP2's bf16 compute over fp32 master weights
+    (``bf16-mixed``, no float32 layout: FSDP2 computes in its param_dtype)."""
+    return ("bf16-mixed" if args.cpu_offload else "bf16-true"), False
 
 
 class Stepper:
@@ -152,6 +266,9 @@ class Stepper:
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **kernel)
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.cpu_offload)
         self.host_bytes_after_forward = 0
+        #: the self-test's result once it ran (before the first step, when ``args.self_test``)
+        self.self_test: dict[str, Any] | None = None
+        self.self_test_pending = bool(getattr(args, "self_test", False))
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         from lightning_longctx import chunked_lm_head_cross_entropy
@@ -237,6 +354,13 @@ def measure_length(
             enable_activation_checkpointing(model, offload=getattr(args, "activation_offload", False))
         else:
             model.gradient_checkpointing_disable()
+        if stepper.self_test_pending:  # the run's first batch, with the run's settings, before its first step
+            stepper.self_test_pending = False
+            precision, fp32_layout = _run_precision(args)
+            ids = make_ids(n, model.config.vocab_size, device)
+            with sdpa_context(args.sdpa_backend):
+                stepper.self_test = run_self_test(model, ids, device, precision, fp32_layout)
+            print(f"  N={n}: {self_test_line(stepper.self_test)}", flush=True)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         fake = args.simulate_oom_above is not None and n > args.simulate_oom_above * (2 if use_ckpt else 1)
@@ -340,6 +464,8 @@ def cmd_mfu(args: argparse.Namespace) -> int:
                 break
         row, ckpt = measure_length(stepper, n, args, ckpt)
         add_rates(row, model.config, peak)
+        if stepper.self_test is not None and "self_test" not in payload:
+            payload["self_test"] = {"seq_len": n, **stepper.self_test}
         payload["results"].append(row)
         payload["elapsed_s"] = round(time.perf_counter() - t_start, 1)
         write_json(args.out, payload)
@@ -349,7 +475,16 @@ def cmd_mfu(args: argparse.Namespace) -> int:
         last = (n, row["measured_step_s"])
     payload["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     write_json(args.out, payload)
-    return 0
+    return _self_test_status(payload)
+
+
+def _self_test_status(payload: dict[str, Any]) -> int:
+    """``SELF_TEST_FAILED`` when the run's self-test ran and did not pass (said on one line), else 0."""
+    result = payload.get("self_test")
+    if result is None or result.get("passed"):
+        return 0
+    print(f"SELF-TEST FAILED on this device: {self_test_line(result)}", flush=True)
+    return SELF_TEST_FAILED
 
 
 def run_length(args: argparse.Namespace) -> dict[str, Any]:
@@ -381,6 +516,8 @@ def run_length(args: argparse.Namespace) -> dict[str, Any]:
         peak_source=peak_source,
         wall_s=round(time.perf_counter() - t0, 1),
     )
+    if stepper.self_test is not None:
+        row["self_test"] = stepper.self_test
     if device.type == "cuda":
         row["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / GIB, 1)
     if row.get("status") == "ok":
@@ -474,9 +611,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
         # last = (first step s, start-up s) of the last length; attention is quadratic: 4x is an upper bound
         if last is not None and _out_of_time(payload, n, last[0] * 4, last[1], left, args, "not tried"):
             break
-        length = argparse.Namespace(
-            **{**vars(args), "mode": "fpdt", "offload": True, "seq_len": n, "checkpointing": ckpt}
-        )
+        first = not payload["results"]  # the first length's process runs the self-test
+        length = argparse.Namespace(**{**vars(args), "mode": "fpdt", "offload": True, "seq_len": n,
+                                       "checkpointing": ckpt, "self_test": args.self_test and first})  # fmt: skip
         run = launch(run_length, 1, length, threads=None, timeout_s=max(left, 1))
         if run.error is None:
             row = run.results[0]
@@ -485,6 +622,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
         else:  # the process died: a crash, or the kernel's OOM killer
             row = {"seq_len": n, "status": "crash", "error": run.error, "log_tail": run.log[-1500:]}
         row["process_s"] = round(run.wall_s, 1)
+        if "self_test" in row:
+            payload["self_test"] = {"seq_len": n, **row["self_test"]}
+            print(f"  N={n}: {self_test_line(row['self_test'])}", flush=True)
         print(f"  N={n}: {_summary(row)}, host offload {row.get('host_offloaded_gib')} GiB", flush=True)
         payload["results"].append(row)
         payload["elapsed_s"] = round(time.perf_counter() - t_start, 1)
@@ -510,7 +650,50 @@ def cmd_fit(args: argparse.Namespace) -> int:
     write_json(args.out, payload)
     print(f"fit: largest N that ran = {payload['largest_fit']}, stopped by {payload['stopped_by']}, "
           f"estimates {payload['estimated_limits']}", flush=True)  # fmt: skip
-    return 0
+    return _self_test_status(payload)
+
+
+def cmd_selftest(args: argparse.Namespace) -> int:
+    """The self-test of a tiny Llama at P = 1 in each of :data:`SELFTEST_RUNS`, one process."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_longctx import disable_sequence_parallel, enable_sequence_parallel
+
+    t_start = time.perf_counter()
+    device = torch.device(args.device)
+    config = AutoConfig.for_model("llama", **MODEL_SELFTEST, max_position_embeddings=4096,
+                                  tie_word_embeddings=False, attention_dropout=0.0, use_cache=False)  # fmt: skip
+    payload: dict[str, Any] = {
+        "benchmark": "gpu_self_test",
+        "model": MODEL_SELFTEST,
+        "chunk_size": args.chunk_size,
+        "environment": environment(),
+        "results": [],
+    }
+    ids = make_ids(args.seq_len, config.vocab_size, device, rows=2)
+    for mode, precision in SELFTEST_RUNS:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.train()
+        fpdt = mode == "fpdt"
+        chunk = args.chunk_size if fpdt else None
+        enable_sequence_parallel(model, group=None, mode=mode, chunk_size=chunk, offload=fpdt)
+        # float32 parameters: under bf16-mixed (DDP) the float32 check runs first
+        result = run_self_test(model, ids, device, precision, fp32_layout=True)
+        disable_sequence_parallel(model)
+        del model
+        payload["results"].append(result)
+        payload["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+        write_json(args.out, payload)
+        print(f"  {self_test_line(result)}", flush=True)
+    payload["passed"] = all(r.get("passed") for r in payload["results"])
+    payload["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    write_json(args.out, payload)
+    print(
+        f"selftest: {'all passed' if payload['passed'] else 'FAILED'} in {payload['elapsed_s']} s", flush=True
+    )
+    return 0 if payload["passed"] else 1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -545,6 +728,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--no-tf32", dest="tf32", action="store_false", help="FPDT block matmuls in full fp32")
     f.add_argument("--cpu-offload", action="store_true",
                    help="model state on the host: FSDP2 CPUOffloadPolicy, fp32 master weights, bf16 compute")  # fmt: skip
+    for sub_parser in (m, f):
+        sub_parser.add_argument(
+            "--no-self-test",
+            dest="self_test",
+            action="store_false",
+            help="skip the self-test before the first length's first step",
+        )
+
+    t = sub.add_parser(
+        "selftest", help="the self-test of a tiny Llama, Ulysses and FPDT + offload, fp32 and bf16"
+    )
+    t.add_argument("--device", default="cuda")
+    t.add_argument(
+        "--seq-len", type=int, default=64, help="tokens per row of the batch the probe is cut from"
+    )
+    t.add_argument(
+        "--chunk-size", type=int, default=64, help="FPDT tokens per chunk (the probe's: at most 8)"
+    )
+    t.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.cmd == "mfu":
         args.mode, args.offload, args.activation_offload, args.cpu_offload = "ulysses", False, False, False
@@ -553,7 +755,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return {"mfu": cmd_mfu, "fit": cmd_fit}[args.cmd](args)
+    return {"mfu": cmd_mfu, "fit": cmd_fit, "selftest": cmd_selftest}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Environment probe and summary for ``check.sh``: ``env`` prints what the machine has; ``summary`` merges
-``mfu.json``, ``fit.json`` and ``fit_offload.json`` (the fit with the model state on the host) into
-``summary.json`` with the FPDT overhead over Ulysses and the state offload's cost at equal N.
+``selftest.json``, ``mfu.json``, ``fit.json`` and ``fit_offload.json`` (the fit with the model state on the host)
+into ``summary.json`` with the self-test's verdicts on this device (its own stage, and the one each benchmark ran
+first), the FPDT overhead over Ulysses and the state offload's cost at equal N.
 
     python benchmarks/gpu/summarize.py env
-    python benchmarks/gpu/summarize.py summary OUTDIR --rc tests=0 mfu=0 fit=0 fit_offload=0
+    python benchmarks/gpu/summarize.py summary OUTDIR --rc tests=0 selftest=0 mfu=0 fit=0 fit_offload=0
 """
 
 from __future__ import annotations
@@ -107,6 +108,33 @@ def state_offload_cost(
     return rows
 
 
+#: per self-test: what ``summary.json`` keeps of it (``longctx.py run_self_test``)
+SELF_TEST_KEYS = ("mode", "precision", "offload", "seq_len", "passed", "seconds", "probe", "checks", "error")
+
+
+def self_tests(out: Path, benchmarks: dict[str, dict[str, Any] | None]) -> list[dict[str, Any]]:
+    """Every self-test the check ran: the ``selftest`` stage's runs, then the one each benchmark ran first."""
+    runs = [{"stage": "selftest", **r} for r in (_load(out / "selftest.json") or {}).get("results", [])]
+    runs += [
+        {"stage": name, **data["self_test"]}
+        for name, data in benchmarks.items()
+        if data and "self_test" in data
+    ]
+    return [{"stage": r["stage"], **{k: r[k] for k in SELF_TEST_KEYS if k in r}} for r in runs]
+
+
+def _self_test_line(r: dict[str, Any]) -> str:
+    verdict = "passed" if r.get("passed") else "FAILED"
+    checks = "; ".join(
+        f"{c['dtype']}: "
+        + ", ".join(f"{k} {v:.1e}" for k, v in c["errors"].items())
+        + f" (tol {c['tolerance']:.0e})"
+        for c in r.get("checks", [])
+    )
+    error = f"; {r['error'][:300]}" if r.get("error") else ""
+    return f"  {r['stage']:<11} {r.get('mode')} {r.get('precision')}: {verdict} in {r.get('seconds')} s: {checks}{error}"
+
+
 def summarize(out: Path, rc: dict[str, str]) -> dict[str, Any]:
     mfu, fit = _load(out / "mfu.json"), _load(out / "fit.json")
     fit_offload = _load(out / "fit_offload.json")
@@ -126,10 +154,13 @@ def summarize(out: Path, rc: dict[str, str]) -> dict[str, Any]:
                 "fpdt_chunk_size": f.get("chunk_size"),
             }
         )
+    tests = self_tests(out, {"mfu": mfu, "fit": fit, "fit_offload": fit_offload})
     summary = {
         "environment": probe(),
         "stage_exit_codes": rc,
         "tests": junit_counts(out / "pytest.xml"),
+        "self_test_passed": all(r.get("passed") for r in tests) if tests else None,
+        "self_tests": tests,
         "mfu": [
             {
                 k: r.get(k)
@@ -168,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     summary = summarize(args.outdir, dict(kv.split("=", 1) for kv in args.rc))
     print(f"CUDA tests: {summary['tests']}")
+    passed = summary["self_test_passed"]
+    verdict = "none ran" if passed is None else "every run passed" if passed else "FAILED"
+    print(f"self-test on this device: {verdict}")
+    for r in summary["self_tests"]:
+        print(_self_test_line(r))
     print("MFU (Ulysses, SDPA):")
     for r in summary["mfu"]:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"

@@ -111,6 +111,8 @@ class SequenceParallelContext:
     # Ulysses x ring (``ring_size > 1``): the two parts of ``group`` (``mesh.WorldMesh``); None otherwise
     ring_group: Group = None
     ulysses_group: Group = None
+    # inside ``sequence_parallel_off``: the model computes as unpatched; the positions hooks do nothing
+    off: bool = False
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SequenceParallelContext:
         return self

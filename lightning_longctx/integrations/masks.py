@@ -291,6 +291,8 @@ class PositionsHook:
         self.index = index  # position of ``position_ids`` among the forward's positional arguments
 
     def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.context.off:  # ``sequence_parallel_off``: a whole sequence, no group to gather over
+            return
         # kernelized again after enable_sequence_parallel turned the hub kernels off
         if getattr(module, "_use_kernels", False):
             raise RuntimeError(

@@ -28,7 +28,8 @@ import dataclasses
 import functools
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -145,6 +146,8 @@ def _hf_attention(
             full = gather_sequence(position_ids, group=ctx.group, chunk_size=chunk, ring=ctx.ring)
             documents = document_ids(full)
         groups = dict(ulysses_group=ctx.ulysses_group, ring_group=ctx.ring_group)
+        if k.dtype != v.dtype:  # autocast: k fp32 after RoPE, v bf16; the ring sends them in one buffer
+            k, v = (x.to(torch.promote_types(k.dtype, v.dtype)) for x in (k, v))
         backend = cfg.settings.attention_backend
         if chunk is None:
             layout = RingLayout(ring_size=ctx.ring, seq_len=q.shape[1] * ctx.sp_size, kind="zigzag")
@@ -465,10 +468,7 @@ def enable_sequence_parallel(
     ctx.key = f"longctx_{mode}_{id(ctx):x}"  # unique among live keys: the registry keeps ctx alive
     AttentionInterface.register(ctx.key, _SequenceParallelAttention(ctx))
     AttentionMaskInterface.register(ctx.key, SequenceParallelMask(ctx))
-    if ctx.attention_free:  # RWKV, xLSTM: no interface to set (transformers refuses), the key names ctx
-        model.config._attn_implementation = ctx.key
-    else:
-        model.set_attn_implementation(ctx.key)
+    _set_attention(model, ctx, ctx.key)  # RWKV, xLSTM (attention-free): the key only names ctx
     if model.config._attn_implementation != ctx.key:
         _unregister(ctx.key)
         unpatch_rotary(saved["rotary"])
@@ -549,6 +549,63 @@ def _turn_off_hub_kernels(model: nn.Module) -> Any:
     return None
 
 
+def _set_attention(model: nn.Module, ctx: SequenceParallelContext, key: str) -> None:
+    if ctx.attention_free:  # no interface to set: the key only names the context
+        model.config._attn_implementation = key
+    else:
+        model.set_attn_implementation(key)
+
+
+@contextmanager
+def sequence_parallel_off(model: nn.Module) -> Iterator[SequenceParallelContext]:
+    """Inside: the patched ``model`` computes as the model did before :func:`enable_sequence_parallel`, on a
+    whole (unsharded) sequence, with no sequence-parallel collective: transformers' own attention and masks
+    (the implementation it had), loss, forward, rotary embeddings, hybrid mixers and untiled MLPs and norms
+    (an MLP may mix tokens: a token shift). What stays: the activation checkpointing, tensor-parallel and FSDP2
+    wrapping around it. On exit every patched piece is back, the very objects, under the same key. The self-test (``self_test.py``) runs its reference inside. Yields the
+    model's context; every rank need not enter it together (it runs no collective)."""
+    from lightning_longctx.tiling import TILED_ATTRS, untile_mlp_
+
+    ctx = context_of(model)
+    if ctx is None:
+        raise ValueError(f"{type(model).__name__} is not sequence-parallel: nothing to turn off")
+    saved = ctx.restore
+    patched = [(m.module, attr) for m in saved.get("mixers", ()) for attr in m.methods] + [
+        (module, "forward") for module, _ in saved.get("rotary", ())
+    ]
+    patched += [(model, "_loss_function"), (model, "forward")]
+    modules = dict(model.named_modules())
+    tiled = [modules[name] for name in (*saved.get("tiled_mlps", ()), *saved.get("tiled_norms", ()))]
+    patched += [(module, attr) for module in tiled for attr in TILED_ATTRS]
+    snapshot = [(obj, attr, obj.__dict__.get(attr, _UNSET)) for obj, attr in patched]
+    _restore_instance(model, saved)
+    for module in tiled:
+        untile_mlp_(module)
+    unpatch_mixers(saved.get("mixers", ()))
+    unpatch_rotary(saved.get("rotary", ()))
+    ctx.off = True  # the positions hooks stand aside (they would gather over the group)
+    _set_attention(model, ctx, saved["attn_implementation"])
+    try:
+        yield ctx
+    finally:
+        ctx.off = False
+        for obj, attr, value in snapshot:
+            if value is _UNSET:
+                obj.__dict__.pop(attr, None)
+            else:
+                obj.__dict__[attr] = value
+        _set_attention(model, ctx, ctx.key)
+
+
+def _restore_instance(model: nn.Module, saved: dict[str, Any]) -> None:
+    """The model's own ``loss_function`` and ``forward`` instance attributes, as before the patch."""
+    for attr, name in (("_loss_function", "loss_function"), ("forward", "forward")):
+        if saved[name] is _UNSET:
+            model.__dict__.pop(attr, None)
+        else:
+            model.__dict__[attr] = saved[name]
+
+
 def disable_sequence_parallel(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_sequence_parallel`: the model's attention, cache setting, loss, forward and
     MLPs are as before, its hooks are removed and its attention and mask key are unregistered. Returns
@@ -559,16 +616,9 @@ def disable_sequence_parallel(model: nn.Module) -> nn.Module:
     if ctx is None:
         return model
     saved = ctx.restore
-    if ctx.attention_free:
-        model.config._attn_implementation = saved["attn_implementation"]
-    else:
-        model.set_attn_implementation(saved["attn_implementation"])
+    _set_attention(model, ctx, saved["attn_implementation"])
     model.config.use_cache = saved["use_cache"]
-    for attr, name in (("_loss_function", "loss_function"), ("forward", "forward")):
-        if saved[name] is _UNSET:
-            model.__dict__.pop(attr, None)
-        else:
-            model.__dict__[attr] = saved[name]
+    _restore_instance(model, saved)
     for handle in saved.get("hooks", ()):
         handle.remove()
     unpatch_mixers(saved.get("mixers", ()))

@@ -3,6 +3,8 @@
 * :class:`DistPool` ``(P)``: P spawned processes started once, each in a gloo group of size P, that then
   run any picklable function on all ranks: ``pool.run(fn, *args)`` returns ``[fn(*args) on rank 0, ...]``.
   The tests keep one warm pool per world size (:class:`WarmPools`, the ``dist_pool`` fixture).
+* :func:`process_groups`: what a function on a warm pool's ranks builds (a world mesh, a process group) is
+  destroyed when it ends: the ranks outlive every test, and each gloo group keeps threads until destroyed.
 * :func:`launch` ``(fn, P, *args)``: P FRESH processes for one call, no group created (the caller's
   ``fn`` picks the backend), each rank's output in a log shown when it fails. The benchmarks use it: every
   measured point starts from a clean process (no allocation, no CUDA context of an earlier point). It is a
@@ -24,11 +26,12 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -246,6 +249,69 @@ class WarmPools:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+
+
+_Owned = TypeVar("_Owned")
+
+
+@contextmanager
+def process_groups() -> Iterator[Callable[[_Owned], _Owned]]:
+    """Destroy, when the block ends (however it ends), what its body hands to ``own``. A function that a warm
+    pool runs (:class:`DistPool`: its ranks serve every test of the session) builds its meshes and groups in
+    this block, so that the ranks do not keep them, and the threads of each gloo group, to the session's end::
+
+        with process_groups() as own:
+            mesh = own(build_world_mesh(layout, "cpu"))
+            ring = own(dist.new_group([0, 2]))
+            ...  # everything that runs on them, a model sharded on the mesh (FSDP2, TP) included
+
+    ``own(x)`` returns ``x``: a world mesh (``WorldMesh.destroy``), a ``DeviceMesh`` (its groups) or a
+    process group (``dist.new_group``, ``new_subgroups``, ``comm.new_gloo_group``). They are destroyed last
+    first, each rank on its own (no collective), never the default group. After a mesh, DTensor's sharding
+    caches are cleared too: they key on mesh equality (ranks, shape, axis names: not the groups), and would
+    hand the next equal mesh's DTensors output specs on this one's destroyed groups ("Could not resolve the
+    process group registered under the name ...")."""
+    owned: list[Any] = []
+
+    def own(thing: _Owned) -> _Owned:
+        owned.append(thing)
+        return thing
+
+    from lightning_longctx.mesh import forget_dtensor_caches
+
+    try:
+        yield own
+    finally:
+        meshes = False
+        for thing in reversed(owned):
+            meshes |= _destroy(thing)
+        if meshes:
+            forget_dtensor_caches()
+
+
+def _destroy(thing: Any) -> bool:
+    """Destroy one thing :func:`process_groups` owns; whether it was a mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_longctx.mesh import WorldMesh, _forget_groups
+
+    if not dist.is_initialized():
+        return False  # the default group is gone, and every other group went with it
+    if isinstance(thing, WorldMesh):
+        thing.destroy()  # clears DTensor's caches itself
+        return False
+    if not isinstance(thing, DeviceMesh):  # a process group
+        if thing is not dist.group.WORLD:
+            with suppress(ValueError):  # destroyed already
+                dist.destroy_process_group(thing)
+        return False
+    groups = [g for g in thing.get_all_groups() if g is not dist.group.WORLD]
+    names = [g.group_name for g in groups]
+    for group in groups:
+        with suppress(ValueError):
+            dist.destroy_process_group(group)
+    _forget_groups(thing._get_root_mesh(), names)  # the root holds their objects (and their threads)
+    return True
 
 
 def run_spawned(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
