@@ -52,14 +52,16 @@ from lightning_longctx.sharding import IGNORE_INDEX, document_ids, gather_sequen
 #: The relative error (``max|a - b| / max|b|``) the parallel run may show against the reference, by compute
 #: dtype; set from the noise floors measured over the architecture sweep (``python tests/arch_sweep.py`` prints
 #: them; docs/user_guide.md, "the self-test"): float32 5.5e-7 at most (tolerance 1e-4, the sweep's own bar for
-#: "exact"); bf16 3.0e-2 (tolerance 1e-1); float64 1.1e-7, not 1e-15, since the hybrids' kernels compute in
-#: float32 inside (tolerance 1e-5, the packed sweep's bar). fp16 has 3 more mantissa bits than bf16: 2e-2.
+#: "exact"); bf16 3.0e-2 at P = 2 and 1.9e-1 at P = 4 (Falcon-Mamba's input gradient: its dt RMSNorm of small
+#: values amplifies bf16 rounding), tolerance 5e-1: the bf16 check catches gross kernel failures (NaN, a wrong
+#: log-sum-exp), the float32 check the layout; float64 1.1e-7, not 1e-15, since the hybrids' kernels compute in
+#: float32 inside (tolerance 1e-5, the packed sweep's bar). fp16, 3 more mantissa bits than bf16: 1e-1.
 #: Layout errors show 8.7e-3 and more in float32 (``tests/test_self_test.py``).
 TOLERANCE = {
     torch.float64: 1e-5,
     torch.float32: 1e-4,
-    torch.bfloat16: 1e-1,
-    torch.float16: 2e-2,
+    torch.bfloat16: 5e-1,
+    torch.float16: 1e-1,
 }
 
 #: What the self-test compares, in the order of the message.
