@@ -49,6 +49,7 @@ def _fit_six_times() -> dict:
     return {"before": before, "groups": groups, "threads": threads, "cuda": torch.cuda.is_available()}
 
 
+@pytest.mark.slow  # six Trainer fits
 def test_fits_leave_no_process_groups_or_threads_behind(dist_pool):
     for rank, got in enumerate(dist_pool(2).run(_fit_six_times)):
         kept = list(accumulate(int(got["cuda"] and "data_parallel" in fit) for fit in FITS))

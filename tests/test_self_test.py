@@ -148,6 +148,7 @@ def _silently_wrong(arch, control, result, steps=1):
     )
 
 
+@pytest.mark.slow  # Trainer fits (the fast tier keeps the broken collective's and the probe's tests)
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("control", sorted(CONTROLS))
 def test_token_mixing_outside_attention_is_refused(dist_pool, control, mode):
@@ -164,6 +165,7 @@ def test_token_mixing_outside_attention_is_refused(dist_pool, control, mode):
     assert _silently_wrong("llama", control, quiet[0]) > 1e-3
 
 
+@pytest.mark.slow  # Trainer fits (the fast tier keeps the broken collective's and the probe's tests)
 def test_fsdp_bf16_mixed_checks_in_float32_before_sharding(dist_pool):
     """FSDP2 computes in bf16 under bf16-mixed, where bf16's noise (up to 3e-2) hides a token shift (2e-2):
     the float32 check runs before FSDP2 shards the model, and refuses it there."""
@@ -178,6 +180,7 @@ def test_fsdp_bf16_mixed_checks_in_float32_before_sharding(dist_pool):
         assert message is None and checks == [[torch.float32], [torch.bfloat16]], checks
 
 
+@pytest.mark.slow  # Trainer fits (the fast tier keeps the broken collective's and the probe's tests)
 def test_conv_behind_unrebound_helper_is_refused(dist_pool):
     import transformers
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
@@ -207,6 +210,7 @@ def test_broken_collective_is_refused(dist_pool):
 DYNAMIC_ROPE = {"max_position_embeddings": 16, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
 
 
+@pytest.mark.slow  # Trainer fits (the fast tier keeps the broken collective's and the probe's tests)
 @pytest.mark.parametrize(("world", "model_kwargs"), [(2, None), (4, DYNAMIC_ROPE)])
 def test_a_match_leaves_no_trace(dist_pool, world, model_kwargs):
     """The same three steps with the self-test on and off: bit-identical losses and parameters."""
