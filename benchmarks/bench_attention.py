@@ -85,7 +85,7 @@ def _bench_rank(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_longctx import gather_sequence, shard_sequence
     from lightning_longctx.attention.fpdt import fpdt_attention
     from lightning_longctx.attention.ulysses import ulysses_attention
-    from lightning_longctx.callbacks.memory import max_over_ranks
+    from lightning_longctx.lightning.callbacks.memory import max_over_ranks
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()

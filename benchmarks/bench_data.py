@@ -17,7 +17,7 @@ tokenizer over those words saved beside it), then, each in a fresh process (``co
 Verdict (exit status 1 otherwise): the anonymous-memory increase after the batches at the largest size is
 within ``--max-growth-mib`` of the smallest size's. The loader's rate is printed beside a training step's:
 this CPU's measured Trainer step (``results/throughput_8k.json``, a tiny Llama) and an estimate for Llama-3-8B
-on one H100 at 40 % MFU (``lightning_longctx.flops``; an estimate, not a measurement). See ``docs/data.md``.
+on one H100 at 40 % MFU (``lightning_longctx.planner.flops``; an estimate, not a measurement). See ``docs/data.md``.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _read(args: argparse.Namespace, root: str) -> dict[str, Any]:
     """Fresh process: setup() from the cache, then ``args.batches`` batches; RSS at each point."""
     import torch
 
-    import lightning_longctx.hf_data as hf_data
+    import lightning_longctx.data.hf as hf_data
 
     def refuse(*a: Any) -> Any:
         raise RuntimeError("setup() tokenized again: the cache was not hit")
@@ -178,7 +178,7 @@ def training_reference(seq_len: int) -> dict[str, Any]:
     estimate for Llama-3-8B on one H100 at 40 % MFU from the package's FLOP count."""
     from transformers import LlamaConfig
 
-    from lightning_longctx.flops import flops_per_token, get_peak_flops
+    from lightning_longctx.planner.flops import flops_per_token, get_peak_flops
 
     llama8b = LlamaConfig(
         hidden_size=4096,

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import yaml
 
-    from lightning_longctx.plan_cli import plan_kwargs_from_config
+    from lightning_longctx.cli.plan import plan_kwargs_from_config
 
     rows = [_row(pt[0], LLAMA3_8B, pt[1], frontier_kwargs(pt)) for pt in FRONTIER]
     shipped = []

@@ -102,7 +102,7 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from lightning_longctx import enable_sequence_parallel, shard_batch
-    from lightning_longctx.comm import count_all_to_all
+    from lightning_longctx.parallel.comm import count_all_to_all
 
     world = args.world
     model = _model(args.seq_len)

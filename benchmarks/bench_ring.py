@@ -43,7 +43,7 @@ import torch.distributed as dist
 from common import MIB, format_table, launch, save_results
 
 from lightning_longctx.attention.ring import RING_LAYOUTS, RingLayout, ring_work
-from lightning_longctx.sharding import document_ids
+from lightning_longctx.parallel.sharding import document_ids
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 COLUMNS = [
@@ -123,8 +123,8 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One rank (a launched process): every ring degree of ``args.rings`` that divides the world, timed."""
     from lightning_longctx.attention.ring import RingLayout, usp_attention
     from lightning_longctx.attention.ulysses import ulysses_attention
-    from lightning_longctx.comm import count_all_to_all
-    from lightning_longctx.mesh import ParallelLayout, build_world_mesh
+    from lightning_longctx.parallel.comm import count_all_to_all
+    from lightning_longctx.parallel.mesh import ParallelLayout, build_world_mesh
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,4 +1,4 @@
-"""What the strategy's self-test (``lightning_longctx/self_test.py``) costs: priced on the shipped GPU configs,
+"""What the strategy's self-test (``lightning_longctx/parallel/self_test.py``) costs: priced on the shipped GPU configs,
 measured on the CPU demos.
 
 1. **Priced** (``estimate_step_time`` on an H100, ``plan_memory``; no GPU, no weights): each shipped GPU config
@@ -155,7 +155,7 @@ def _checks(precision: str, resolved: Any, param_dtype: str | None) -> list[str]
     """The dtypes the self-test compares in (``checks_for`` with the strategy's ``fp32_layout``)."""
     import torch
 
-    from lightning_longctx.self_test import checks_for
+    from lightning_longctx.parallel.self_test import checks_for
 
     dtype = getattr(torch, param_dtype) if param_dtype else torch.float32
     # the strategy's float32 check: after the fact under DDP, before FSDP2 shards (not with cpu_offload)
@@ -179,10 +179,10 @@ def price(name: str, folders: dict[str, str]) -> dict[str, Any]:
     """One shipped GPU config: one step and the self-test, priced (module docstring)."""
     import yaml
 
-    from lightning_longctx.plan_cli import plan_kwargs_from_config
+    from lightning_longctx.cli.plan import plan_kwargs_from_config
+    from lightning_longctx.parallel.self_test import probe_shape
     from lightning_longctx.planner import plan_memory
     from lightning_longctx.planner.step_time import estimate_step_time
-    from lightning_longctx.self_test import probe_shape
 
     config = yaml.safe_load((CONFIGS / name).read_text())
     pretrained = config["model"]["init_args"].get("pretrained_path")

@@ -49,7 +49,7 @@ def _soak(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
 
     from lightning_longctx.attention.offload import offloaded_bytes
-    from lightning_longctx.callbacks.memory import host_rss_bytes
+    from lightning_longctx.lightning.callbacks.memory import host_rss_bytes
 
     trim = None if args.no_trim else common.malloc_trim()
 

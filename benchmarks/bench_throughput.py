@@ -4,7 +4,7 @@ Modes at one global sequence length N (batch 1): ``single`` (one process, plain 
 (P ranks, ``UlyssesFPDTStrategy``), ``fpdt`` (every chunk c of ``--chunk-sizes`` with ``P*c <= N``) and
 ``fpdt_offload`` (the largest such chunk; on CPU the "host copy" is a plain clone: same code path, no
 transfer to hide). Every run is a fresh launch that trains ``--warmup`` + ``--steps`` AdamW steps of
-``lightning_longctx.recipes.CausalLM`` on random tokens; ``lightning_longctx.callbacks.MFUMonitor``
+``lightning_longctx.recipes.CausalLM`` on random tokens; ``lightning_longctx.lightning.callbacks.MFUMonitor``
 measures the last ``--steps``: tokens/s = global tokens (an SP sample counted once) / rank 0's wall
 seconds, MFU = model FLOP/s per device (``flops_per_token``: causal attention counted half, no
 recomputation) / the peak of one device: on CPU a matmul measured once by this script with
@@ -48,7 +48,7 @@ def _fit_once(cfg: dict[str, Any]) -> dict[str, Any]:
     import lightning as L
     from torch.utils.data import DataLoader, Dataset
 
-    from lightning_longctx.callbacks import MFUMonitor
+    from lightning_longctx.lightning.callbacks import MFUMonitor
     from lightning_longctx.recipes import CausalLM
 
     L.seed_everything(0, verbose=False)
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     model = model_config(args)
     peak = None  # CUDA: MFUMonitor's data-sheet table
     if args.device == "cpu":
-        from lightning_longctx.flops import measure_peak_flops
+        from lightning_longctx.planner.flops import measure_peak_flops
 
         torch.set_num_threads(args.threads)
         peak = measure_peak_flops("cpu", "fp32", n=PEAK_N, reps=PEAK_REPS)

@@ -4,7 +4,7 @@
 
 Every layout ``(sp, tp)`` with ``sp * tp = world`` (dp = 1) trains a Llama (hidden 256, 8 heads, 4 kv heads,
 intermediate 688, 4 layers, vocab 8192, fp32) one sample of N tokens per step in fresh gloo processes: the
-model's Hugging Face TP plan on the tp axis (``lightning_longctx.tensor_parallel.apply_tp_plan``), Ulysses
+model's Hugging Face TP plan on the tp axis (``lightning_longctx.parallel.tensor_parallel.apply_tp_plan``), Ulysses
 over the sp axis (``enable_sequence_parallel``), forward + backward (no optimizer: the layouts differ in what
 the layer computes and moves). Per rank: the all-to-all bytes sent in one step (``count_all_to_all``) beside
 the formula ``2 L (sp - 1)/sp * (N/sp) * head_dim * (2 h/tp + 2 kv/tp) * 4`` (q, k, v, out forward, their
@@ -32,9 +32,9 @@ def _rank(args: argparse.Namespace, sp: int, tp: int) -> dict[str, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lightning_longctx import enable_sequence_parallel, shard_batch
-    from lightning_longctx.comm import count_all_to_all
-    from lightning_longctx.mesh import MESH_AXES
-    from lightning_longctx.tensor_parallel import apply_tp_plan
+    from lightning_longctx.parallel.comm import count_all_to_all
+    from lightning_longctx.parallel.mesh import MESH_AXES
+    from lightning_longctx.parallel.tensor_parallel import apply_tp_plan
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (1, sp, tp), mesh_dim_names=MESH_AXES)

@@ -10,7 +10,7 @@ For every P in ``--world-sizes`` one gloo group of P launched ranks runs, for ev
 Measured: the median fwd+bwd wall time (slowest rank, barriers around each step, the two variants
 interleaved), the bytes each rank sends to other ranks in all-to-alls (one meter wrapping
 ``torch.distributed.all_to_all_single`` for both; ours also by the package's own
-``lightning_longctx.comm.count_all_to_all``, which must agree) against the formula, and the largest
+``lightning_longctx.parallel.comm.count_all_to_all``, which must agree) against the formula, and the largest
 difference between the two outputs and input gradients. Commands and results: ``benchmarks/README.md``.
 
 Exit status 1 when a check fails (bytes != formula, count_all_to_all != the meter, or ours != DeepSpeed
@@ -96,7 +96,7 @@ def formula_bytes(b: int, n: int, h: int, d: int, world: int, rank: int, elem: i
     dv like the output). With ``h_r = h/P`` this is ``2 * 4*b*(N/P)*h*d*elem*(P-1)/P``; uneven head
     splits are covered rank by rank.
     """
-    from lightning_longctx.comm import head_split
+    from lightning_longctx.parallel.comm import head_split
 
     s, h_r = n // world, head_split(h, world)[rank]
     return 4 * (b * s * (h - h_r) * d + b * (n - s) * h_r * d) * elem
@@ -181,8 +181,8 @@ def _bench_rank(args: argparse.Namespace) -> dict[str, Any]:
     # Imported in the ranks only (the fork server has them loaded): the parent never needs Lightning.
     from lightning_longctx.attention.kernels import KERNELS, MaskSpec
     from lightning_longctx.attention.ulysses import ulysses_attention
-    from lightning_longctx.callbacks.memory import max_over_ranks
-    from lightning_longctx.comm import count_all_to_all
+    from lightning_longctx.lightning.callbacks.memory import max_over_ranks
+    from lightning_longctx.parallel.comm import count_all_to_all
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -2,9 +2,9 @@
 
 :func:`launch` (the tests' launcher, ``tests/helpers/launch.py``: one way to start ranks for both) starts
 the ranks, fresh processes for every measured point. What the package already measures is used from it,
-not copied here: ``host_rss_bytes`` / ``max_over_ranks`` (``lightning_longctx.callbacks.memory``),
-the FLOP formulas and peak table (``lightning_longctx.flops``), ``count_all_to_all``
-(``lightning_longctx.comm``), ``offloaded_bytes`` (``lightning_longctx.attention.offload``).
+not copied here: ``host_rss_bytes`` / ``max_over_ranks`` (``lightning_longctx.lightning.callbacks.memory``),
+the FLOP formulas and peak table (``lightning_longctx.planner.flops``), ``count_all_to_all``
+(``lightning_longctx.parallel.comm``), ``offloaded_bytes`` (``lightning_longctx.attention.offload``).
 
 Scripts import this as ``from common import ...``: run them as ``python benchmarks/<script>.py``
 (``gpu/`` scripts put this folder on ``sys.path`` themselves).
@@ -141,10 +141,10 @@ def malloc_trim() -> Any:
 
 def live_rss_bytes() -> int:
     """This process's RSS after ``gc.collect()`` and ``malloc_trim(0)``: what is live, not the freed heap
-    glibc kept (``host_rss_bytes`` of ``lightning_longctx.callbacks.memory``)."""
+    glibc kept (``host_rss_bytes`` of ``lightning_longctx.lightning.callbacks.memory``)."""
     import gc
 
-    from lightning_longctx.callbacks.memory import host_rss_bytes
+    from lightning_longctx.lightning.callbacks.memory import host_rss_bytes
 
     gc.collect()
     trim = malloc_trim()

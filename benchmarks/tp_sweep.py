@@ -42,7 +42,7 @@ def run_tp(case, all_styles: bool = False):
     if all_styles:
         import transformers.distributed.tensor_parallel as hf_tp
 
-        import lightning_longctx.tensor_parallel as tp
+        import lightning_longctx.parallel.tensor_parallel as tp
 
         tp.TESTED_STYLES = tuple(hf_tp.ALL_PARALLEL_STYLES)
     return fuzz_strategy.run_strategy(case)

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import lightning_longctx
+from lightning_longctx.parallel.sharding import shift_labels
 from lightning_longctx.recipes import RecallAccuracy, RecallDataModule
-from lightning_longctx.sharding import shift_labels
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,9 +42,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from lightning_longctx import UlyssesFPDTStrategy
-from lightning_longctx.callbacks import MemoryMonitor, MFUMonitor
 from lightning_longctx.cli import torchrun_world
 from lightning_longctx.data import TextFilesDataModule
+from lightning_longctx.lightning.callbacks import MemoryMonitor, MFUMonitor
 from lightning_longctx.recipes import RecallDataModule
 
 

@@ -6,19 +6,23 @@ from importlib.metadata import PackageNotFoundError, version
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_longctx import callbacks
-from lightning_longctx.attention import fpdt_attention, ulysses_attention
-from lightning_longctx.chunked_loss import chunked_lm_head_cross_entropy
-from lightning_longctx.integrations.transformers import (
+from lightning_longctx import _moved
+
+_moved.install()  # the module paths from before the subpackages (0.6) still import
+
+from lightning_longctx.attention import fpdt_attention, ulysses_attention  # noqa: E402
+from lightning_longctx.integrations.transformers import (  # noqa: E402
     disable_sequence_parallel,
     enable_activation_checkpointing,
     enable_sequence_parallel,
 )
-from lightning_longctx.loss import sequence_parallel_cross_entropy
-from lightning_longctx.planner import longest_sequence, plan_memory
-from lightning_longctx.sharding import gather_sequence, shard_batch, shard_sequence
-from lightning_longctx.strategy import UlyssesFPDTStrategy
-from lightning_longctx.tiling import tile_mlp_, untile_mlp_
+from lightning_longctx.lightning import callbacks  # noqa: E402
+from lightning_longctx.lightning.strategy import UlyssesFPDTStrategy  # noqa: E402
+from lightning_longctx.ops.chunked_loss import chunked_lm_head_cross_entropy  # noqa: E402
+from lightning_longctx.ops.loss import sequence_parallel_cross_entropy  # noqa: E402
+from lightning_longctx.ops.tiling import tile_mlp_, untile_mlp_  # noqa: E402
+from lightning_longctx.parallel.sharding import gather_sequence, shard_batch, shard_sequence  # noqa: E402
+from lightning_longctx.planner import longest_sequence, plan_memory  # noqa: E402
 
 UlyssesFPDTStrategy.register_strategies(StrategyRegistry)
 

@@ -16,8 +16,8 @@ from enum import Enum
 from typing import Literal
 
 from lightning_longctx.attention.fpdt import FPDT_BACKENDS
-from lightning_longctx.mesh import ParallelLayout
-from lightning_longctx.sharding import IGNORE_INDEX, chunk_for
+from lightning_longctx.parallel.mesh import ParallelLayout
+from lightning_longctx.parallel.sharding import IGNORE_INDEX, chunk_for
 
 
 class Mode(str, Enum):

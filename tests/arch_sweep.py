@@ -891,7 +891,7 @@ def self_test_errors(
     import contextlib
 
     from lightning_longctx.integrations.transformers import context_of, sequence_parallel_off
-    from lightning_longctx.self_test import SelfTestFailed, run_self_test
+    from lightning_longctx.parallel.self_test import SelfTestFailed, run_self_test
 
     ctx = context_of(sp_model)
     worst: dict[str, float | None] = {}

@@ -31,8 +31,8 @@ from helpers.reference import reference_attention
 from lightning_longctx import gather_sequence, shard_sequence
 from lightning_longctx.attention import fpdt_attention, ulysses_attention
 from lightning_longctx.attention.ring import RING_LAYOUTS, RingLayout, usp_attention
-from lightning_longctx.mesh import ParallelLayout, WorldMesh, build_world_mesh
-from lightning_longctx.sharding import document_ids
+from lightning_longctx.parallel.mesh import ParallelLayout, WorldMesh, build_world_mesh
+from lightning_longctx.parallel.sharding import document_ids
 
 TOLERANCE = 1e-4
 TIMEOUT_S = 60.0  # per example: a hang is a failure naming the ranks and the case, not a stuck run

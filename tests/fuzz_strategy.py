@@ -203,7 +203,7 @@ def _token_losses(model: torch.nn.Module, row: dict) -> list[tuple[int, int, flo
 def positional_reference(model: torch.nn.Module, data: FuzzDataset, by: str) -> dict[tuple[int, int], float]:
     """What ``PositionalLoss(first=4, log_base=2, by=by)`` logs for one validation run over every row of
     ``data``: the token mean per bucket, bucketed here by hand."""
-    from lightning_longctx.callbacks.positional_loss import bucket_edges
+    from lightning_longctx.lightning.callbacks.positional_loss import bucket_edges
 
     edges = bucket_edges(**POSITIONAL_BUCKETS)
     sums: dict[int, list[float]] = {}
@@ -226,7 +226,7 @@ class CharTokenizer:
 
 
 def needle_prompt():
-    from lightning_longctx.callbacks.needle import PasskeyPrompt
+    from lightning_longctx.lightning.callbacks.needle import PasskeyPrompt
 
     return PasskeyPrompt(
         CharTokenizer(), "ab. cd. ef.", needle="k{key}.", question="k?", task="", key_digits=2, add_bos=False
@@ -349,7 +349,7 @@ def _validated_module(model: torch.nn.Module, data: FuzzDataset):
 
 
 def _callbacks(case: StratCase, model: torch.nn.Module) -> dict[str, object]:
-    from lightning_longctx.callbacks import NeedleRetrieval, PositionalLoss
+    from lightning_longctx.lightning.callbacks import NeedleRetrieval, PositionalLoss
 
     out: dict[str, object] = {}
     if case.positional_loss is not None:

@@ -17,10 +17,10 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig
 
-from lightning_longctx import flops as F
-from lightning_longctx.callbacks import MemoryMonitor, MFUMonitor, max_over_ranks
-from lightning_longctx.callbacks import memory as memory_mod
-from lightning_longctx.callbacks.mfu import count_tokens, local_running_sum, throughput_metrics
+from lightning_longctx.lightning.callbacks import MemoryMonitor, MFUMonitor, max_over_ranks
+from lightning_longctx.lightning.callbacks import memory as memory_mod
+from lightning_longctx.lightning.callbacks.mfu import count_tokens, local_running_sum, throughput_metrics
+from lightning_longctx.planner import flops as F
 
 VOCAB = 128
 

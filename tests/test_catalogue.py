@@ -12,7 +12,7 @@ import torch.distributed as dist
 from helpers.hf_models import tiny_model
 from helpers.lightning import compare_to_reference, fit_hf
 from lightning_longctx import UlyssesFPDTStrategy, enable_sequence_parallel
-from lightning_longctx.mesh import ParallelLayout
+from lightning_longctx.parallel.mesh import ParallelLayout
 
 
 @pytest.mark.parametrize(

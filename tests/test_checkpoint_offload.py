@@ -21,8 +21,8 @@ import torch.distributed as dist
 from helpers.hf_models import checkpointing_state, tiny_model
 from lightning_longctx import UlyssesFPDTStrategy, enable_sequence_parallel, shard_batch
 from lightning_longctx.attention.offload import offloaded_bytes, track_offload_residency
-from lightning_longctx.checkpoint_offload import OffloadedCheckpoint
 from lightning_longctx.integrations.transformers import enable_activation_checkpointing
+from lightning_longctx.ops.activation_offload import OffloadedCheckpoint
 
 B, S, LAYERS = 2, 24, 3
 

@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from helpers.hf_models import HFModule, TokenDataset, tiny_model
 from helpers.lightning import SEQ, lightning_env
 from lightning_longctx import UlyssesFPDTStrategy
-from lightning_longctx.checkpoint import (
+from lightning_longctx.lightning.checkpoint import (
     COMMIT_FILE,
     commit_info,
     consolidate,
@@ -362,7 +362,7 @@ def test_full_and_sharded_formats_hold_the_same_state_and_consolidate(dist_pool,
 
 
 def _periodic(root: str, async_save: bool) -> list[str]:
-    from lightning_longctx.callbacks import PeriodicCheckpoint
+    from lightning_longctx.lightning.callbacks import PeriodicCheckpoint
 
     lightning_env()
     module = HFModule(tiny_model("llama"), dataset=TokenDataset(8, SEQ), adam=True)
@@ -396,7 +396,7 @@ def test_periodic_checkpoints_keep_the_newest_k_and_async_saves_equal_sync_ones(
 
 
 def test_periodic_checkpoint_refuses_bad_settings():
-    from lightning_longctx.callbacks import PeriodicCheckpoint
+    from lightning_longctx.lightning.callbacks import PeriodicCheckpoint
 
     with pytest.raises(ValueError, match="keep_latest_k=0"):
         PeriodicCheckpoint(keep_latest_k=0)

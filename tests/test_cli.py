@@ -218,7 +218,7 @@ def test_yaml_class_path_strategy_needs_no_import(tmp_path):
                     # as the shipped GPU configs: jsonargparse passes ModelCheckpoint's defaults along
                     "callbacks": [
                         {
-                            "class_path": "lightning_longctx.callbacks.PeriodicCheckpoint",
+                            "class_path": "lightning_longctx.lightning.callbacks.PeriodicCheckpoint",
                             "init_args": {"every_n_train_steps": 100, "keep_latest_k": 2, "save_last": True},
                         }
                     ],
@@ -231,7 +231,7 @@ def test_yaml_class_path_strategy_needs_no_import(tmp_path):
     script = tmp_path / "plain_cli.py"
     script.write_text(_NO_IMPORT_SCRIPT)
     out = _run([sys.executable, str(script), str(config)], timeout=120, cwd=tmp_path).stdout
-    assert "STRATEGY lightning_longctx.strategy UlyssesFPDTStrategy 2" in out
+    assert "STRATEGY lightning_longctx.lightning.strategy UlyssesFPDTStrategy 2" in out
     # LightningCLI passes every DDP keyword at DDP's default: ours (gradients in the buckets) must win
     assert "BUCKET_VIEW True" in out
     # DDP's arguments the strategy sets itself (process_group, ...) arrive at their defaults: not passed on

@@ -12,7 +12,7 @@ import lightning_longctx.integrations.context as context_mod
 from helpers.reference import packed_positions, reference_attention
 from lightning_longctx import gather_sequence, shard_sequence
 from lightning_longctx.attention import fpdt_attention, ulysses_attention
-from lightning_longctx.sharding import document_ids, global_positions
+from lightning_longctx.parallel.sharding import document_ids, global_positions
 
 
 class _CountGathers:

@@ -23,9 +23,9 @@ from helpers.hf_models import HFModule, TokenDataset, tiny_config, tiny_model
 from helpers.lightning import SEQ, lightning_env
 from helpers.lora import lora_model
 from lightning_longctx import UlyssesFPDTStrategy
-from lightning_longctx.checkpoint import PARTIAL_PREFIX, commit_info, step_checkpoint_path
 from lightning_longctx.cli import main as cli_main
-from lightning_longctx.export import export_pretrained, hf_config
+from lightning_longctx.cli.export import export_pretrained, hf_config
+from lightning_longctx.lightning.checkpoint import PARTIAL_PREFIX, commit_info, step_checkpoint_path
 from lightning_longctx.recipes import CausalLM, RecallDataModule
 
 DATA = dict(

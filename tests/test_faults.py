@@ -186,7 +186,7 @@ def test_slurm_signal_to_one_rank_checkpoints_requeues_and_resumes(uninterrupted
     cancellation, or a preemption SLURM requeues itself), both exit 0; no HPC checkpoint is written. The
     requeued job resumes from the newest committed checkpoint and ends as if nothing had happened."""
     from helpers.launch import free_port
-    from lightning_longctx.checkpoint import commit_info, latest_checkpoint
+    from lightning_longctx.lightning.checkpoint import commit_info, latest_checkpoint
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -26,9 +26,9 @@ from helpers.hf_models import TINY_LLAMA, HFModule, TokenDataset, tiny_config, t
 from helpers.lightning import lightning_env
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.config import SequenceParallelConfig
-from lightning_longctx.fit_check import Unplannable, check_first_step, enabled, fit_check_capacity
+from lightning_longctx.lightning.fit_check import Unplannable, check_first_step, enabled, fit_check_capacity
+from lightning_longctx.parallel.self_test import probe_shape
 from lightning_longctx.planner import format_bytes, parse_bytes, plan_memory
-from lightning_longctx.self_test import probe_shape
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 CAPACITY = "256MiB"
@@ -127,7 +127,7 @@ def test_a_step_that_fits_trains_as_planned_by_lightning_longctx_plan(dist_pool,
     }  # fmt: skip
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))
-    from lightning_longctx.plan_cli import main
+    from lightning_longctx.cli.plan import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -212,8 +212,8 @@ def test_the_shipped_configs_are_planned_as_lightning_longctx_plan_plans_them():
     from transformers import AutoModelForCausalLM
 
     from lightning_longctx import enable_activation_checkpointing
+    from lightning_longctx.cli.plan import plan_kwargs_from_config
     from lightning_longctx.integrations.hf_config import build_config
-    from lightning_longctx.plan_cli import plan_kwargs_from_config
 
     fields = {f.name for f in dataclasses.fields(SequenceParallelConfig)}
     names = sorted(p.name for p in CONFIGS.glob("*.yaml") if "model_config:" in p.read_text())

@@ -13,7 +13,7 @@ from lightning_longctx import gather_sequence, shard_sequence
 from lightning_longctx.attention.common import spread_kv_heads
 from lightning_longctx.attention.fpdt import fpdt_attention
 from lightning_longctx.attention.offload import offloaded_bytes, track_offload_residency
-from lightning_longctx.comm import count_all_to_all
+from lightning_longctx.parallel.comm import count_all_to_all
 
 N = 32  # global tokens; chunk_size c = N / (u * P)
 

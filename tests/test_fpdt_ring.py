@@ -11,7 +11,7 @@ import torch.distributed as dist
 from helpers.launch import process_groups
 from helpers.marks import WORLD8
 from helpers.reference import packed_positions, reference_attention
-from lightning_longctx.sharding import document_ids, gather_sequence, global_index, shard_sequence
+from lightning_longctx.parallel.sharding import document_ids, gather_sequence, global_index, shard_sequence
 
 N, D, C = 64, 8, 2  # global tokens, head dim, FPDT chunk per rank (N % (2 * P * C) == 0 up to P = 8)
 TOL = 1e-10
@@ -46,7 +46,7 @@ def _errors(ring: int) -> dict:
     """{(case, backend, offload): (max error of this rank's out/dq/dk/dv, its partial dsinks, the reference's)}
     at sp = world, ``ring``, chunk C, the groups of the world mesh."""
     from lightning_longctx.attention.fpdt_ring import fpdt_ring_attention
-    from lightning_longctx.mesh import ParallelLayout, build_world_mesh
+    from lightning_longctx.parallel.mesh import ParallelLayout, build_world_mesh
 
     world = dist.get_world_size()
     with process_groups() as own:
@@ -113,7 +113,7 @@ def test_fpdt_ring_matches_full_attention(dist_pool, world, ring):
 def test_fpdt_ring_layout():
     """``shard_sequence(..., chunk_size=c, ring=r)``: sp rank ``(j, u)`` holds chunk u of each ``U*c`` segment of
     ring rank j's two zigzag chunks; every local chunk is a run of c consecutive tokens; ``global_index`` agrees; lengths that split a segment are refused."""
-    from lightning_longctx.sharding import _ring_index
+    from lightning_longctx.parallel.sharding import _ring_index
 
     n, world, ring, c = 32, 4, 2, 2
     rows = _ring_index(n, world, ring, c)
@@ -136,7 +136,7 @@ def test_fpdt_ring_layout():
 
 
 def _gather_roundtrip(ring: int) -> bool:
-    from lightning_longctx.mesh import ParallelLayout, build_world_mesh
+    from lightning_longctx.parallel.mesh import ParallelLayout, build_world_mesh
 
     world = dist.get_world_size()
     with process_groups() as own:
@@ -167,7 +167,7 @@ TRAINER_CASES = {
 def _fit_with_ring(arch, sp, skw, mkw):
     """``fit_hf``'s results, the ring the strategy resolved, and the attention functions the model ran."""
     import lightning_longctx.integrations.transformers as hf
-    import lightning_longctx.strategy as strategy_module
+    import lightning_longctx.lightning.strategy as strategy_module
     from helpers.lightning import fit_hf
 
     seen, calls = [], {}

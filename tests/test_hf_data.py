@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import lightning_longctx.hf_data as hf_data
+import lightning_longctx.data.hf as hf_data
 from lightning_longctx.data import HFDatasetDataModule, TextFilesDataModule, pack_documents
 
 datasets = pytest.importorskip("datasets")
@@ -300,7 +300,7 @@ def test_resumes_mid_epoch(tmp_path, toks):
 def test_importing_data_does_not_import_datasets(monkeypatch):
     """`datasets` is optional: lightning_longctx.data imports without it; the datamodule says how to install."""
     spec = importlib.util.spec_from_file_location(
-        "_data_without_datasets", Path(hf_data.__file__).with_name("data.py")
+        "_data_without_datasets", Path(hf_data.__file__).with_name("__init__.py")
     )
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` fails from here on

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_longctx import disable_sequence_parallel, enable_sequence_parallel, shard_batch
-from lightning_longctx.comm import count_all_to_all, halo_exchange
 from lightning_longctx.integrations.hybrid import find_mixers
-from lightning_longctx.sharding import shard_sequence
+from lightning_longctx.parallel.comm import count_all_to_all, halo_exchange
+from lightning_longctx.parallel.sharding import shard_sequence
 
 B, CH, HALO = 2, 3, 2  # rows, channels, halo (a kernel of 3)
 EXACT_HYBRIDS = (
@@ -64,7 +64,7 @@ def _scan_case(n_seg_per_rank: int, kind: str) -> dict[str, float]:
     """exclusive_affine_scan (its default, strided order: global segment g = i * P + rank) vs the sequential
     fold over all segments in global order, and its gradients."""
     from helpers.reference import affine_scan_errors
-    from lightning_longctx.comm import strided_order
+    from lightning_longctx.parallel.comm import strided_order
 
     order = strided_order(dist.get_world_size(), n_seg_per_rank)
     return affine_scan_errors(order, kind, rows=B, pass_order=False)
@@ -228,7 +228,7 @@ def test_hub_kernels_cannot_erase_the_patches(tmp_path):
     pytest.importorskip("kernels")
     from transformers import AutoModelForCausalLM
 
-    from lightning_longctx.tiling import is_tiled
+    from lightning_longctx.ops.tiling import is_tiled
 
     _hybrid().save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")

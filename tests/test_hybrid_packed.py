@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_longctx.integrations import hybrid
 from lightning_longctx.integrations.hybrid.base import Documents, MixerCall, to_segments
-from lightning_longctx.sharding import document_ids, global_index
+from lightning_longctx.parallel.sharding import document_ids, global_index
 
 
 def _exact(rows: list[dict]) -> None:

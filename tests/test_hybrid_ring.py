@@ -20,9 +20,14 @@ import torch
 import torch.distributed as dist
 
 from helpers.launch import process_groups
-from lightning_longctx.comm import count_all_to_all, exclusive_affine_scan, halo_exchange, strided_order
 from lightning_longctx.integrations.hybrid.base import segment_order
-from lightning_longctx.sharding import global_index
+from lightning_longctx.parallel.comm import (
+    count_all_to_all,
+    exclusive_affine_scan,
+    halo_exchange,
+    strided_order,
+)
+from lightning_longctx.parallel.sharding import global_index
 
 B, CH, HALO = 2, 3, 2  # rows, channels, halo (a kernel of 3)
 SEG = 4  # tokens per segment in the comm tests
@@ -174,7 +179,7 @@ def _model_errors(names: list[str], sp: int, ring: int, packed: bool, chunk: int
 
     from lightning_longctx import disable_sequence_parallel, enable_sequence_parallel, shard_batch
     from lightning_longctx.config import SequenceParallelConfig
-    from lightning_longctx.mesh import build_world_mesh
+    from lightning_longctx.parallel.mesh import build_world_mesh
 
     config = SequenceParallelConfig(sequence_parallel_size=sp, ring_size=ring, fpdt_chunk_size=chunk).resolve(
         dist.get_world_size(), 0, "cpu"
@@ -282,7 +287,7 @@ def _halves_too_short() -> str:
     from helpers.hf_models import tiny_model
     from lightning_longctx import enable_sequence_parallel, shard_batch
     from lightning_longctx.config import SequenceParallelConfig
-    from lightning_longctx.mesh import build_world_mesh
+    from lightning_longctx.parallel.mesh import build_world_mesh
 
     config = SequenceParallelConfig(sequence_parallel_size=4, ring_size=4).resolve(4, 0, "cpu")
     with process_groups() as own:

@@ -16,8 +16,8 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_longctx import sequence_parallel_cross_entropy
 from lightning_longctx.attention.fpdt import fpdt_attention
-from lightning_longctx.chunked_loss import chunked_lm_head_cross_entropy
-from lightning_longctx.tiling import tile_mlp_
+from lightning_longctx.ops.chunked_loss import chunked_lm_head_cross_entropy
+from lightning_longctx.ops.tiling import tile_mlp_
 
 B, S, H, INTER, VOCAB, CHUNK = 2, 64, 8, 48, 96, 8
 

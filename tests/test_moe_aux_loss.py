@@ -9,14 +9,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_longctx import enable_sequence_parallel, shard_batch
-from lightning_longctx.comm import all_reduce_no_grad
 from lightning_longctx.integrations.moe import (
     MIXTRAL,
     moe_aux_loss_plan,
     sequence_parallel_load_balancing_loss,
 )
 from lightning_longctx.integrations.transformers import context_of
-from lightning_longctx.sharding import shard_sequence
+from lightning_longctx.parallel.comm import all_reduce_no_grad
+from lightning_longctx.parallel.sharding import shard_sequence
 
 LAYERS, BATCH, SEQ, EXPERTS = 3, 2, 24, 5
 #: tokens per rank for the uneven layout (contiguous, in rank order)

@@ -21,9 +21,14 @@ from torch.utils.data import DataLoader
 from helpers.hf_models import HFModule, TokenDataset, tiny_model
 from helpers.lightning import lightning_env
 from lightning_longctx import UlyssesFPDTStrategy
-from lightning_longctx.callbacks import NeedleRetrieval
-from lightning_longctx.callbacks.needle import METRIC_PREFIX, NeedlePrompt, NeedleSample, PasskeyPrompt
 from lightning_longctx.data import ByteTokenizer
+from lightning_longctx.lightning.callbacks import NeedleRetrieval
+from lightning_longctx.lightning.callbacks.needle import (
+    METRIC_PREFIX,
+    NeedlePrompt,
+    NeedleSample,
+    PasskeyPrompt,
+)
 
 LENGTHS = (30, 64)  # 30: shard_batch pads the end at P = 4 (and P x chunk): the answer sits before the pads
 DEPTHS = (0.0, 0.5, 1.0)

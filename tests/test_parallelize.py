@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from helpers.launch import process_groups
 from lightning_longctx.config import MODES, Mode, SequenceParallelConfig
-from lightning_longctx.mesh import REPLICA_AXIS, TP_AXIS, ParallelLayout, build_world_mesh
+from lightning_longctx.parallel.mesh import REPLICA_AXIS, TP_AXIS, ParallelLayout, build_world_mesh
 
 
 def _mesh_groups(sp: int, tp: int, flatten: bool) -> dict:
@@ -108,10 +108,10 @@ def test_mode_is_a_string_enum():
 
 
 def test_parallelize_module_is_not_shadowed():
-    """``parallelize`` lives in ``lightning_longctx.parallelize`` and is not re-exported at the top: a function
-    of the submodule's name there would shadow the module (``import lightning_longctx.parallelize as m``)."""
+    """``parallelize`` lives in ``lightning_longctx.parallel.parallelize`` and is not re-exported at the top: a function
+    of the submodule's name there would shadow the module (``import lightning_longctx.parallel.parallelize as m``)."""
     import lightning_longctx
-    import lightning_longctx.parallelize as module
+    import lightning_longctx.parallel.parallelize as module
 
     assert callable(module.parallelize) and "parallelize" not in lightning_longctx.__all__
 
@@ -124,7 +124,7 @@ def _lightning_free_step(chunk: int | None, flatten: bool) -> dict:
     from helpers.hf_models import tiny_model
     from lightning_longctx import shard_batch
     from lightning_longctx.integrations.transformers import context_of
-    from lightning_longctx.parallelize import parallelize
+    from lightning_longctx.parallel.parallelize import parallelize
 
     config = SequenceParallelConfig(
         sequence_parallel_size=2,

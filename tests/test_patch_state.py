@@ -12,7 +12,7 @@ from transformers import AttentionInterface
 from helpers.hf_models import tiny_model
 from lightning_longctx import disable_sequence_parallel, enable_sequence_parallel, shard_batch
 from lightning_longctx.integrations.transformers import context_of
-from lightning_longctx.tiling import is_tiled
+from lightning_longctx.ops.tiling import is_tiled
 
 
 def _batch() -> dict[str, torch.Tensor]:

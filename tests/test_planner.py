@@ -367,8 +367,8 @@ def test_the_qwen3_config_extends_the_context_with_yarn_to_its_sequence(pretrain
     sequence (factor x the pretraining length), rope_theta kept from the model's config."""
     import yaml
 
+    from lightning_longctx.cli.plan import plan_kwargs_from_config
     from lightning_longctx.integrations.rope import rope_limit
-    from lightning_longctx.plan_cli import plan_kwargs_from_config
 
     config = yaml.safe_load((CONFIGS / "qwen3_8b_512k_yarn_8gpu.yaml").read_text())
     folder = pretrained_folders[config["model"]["init_args"]["pretrained_path"]]
@@ -600,7 +600,7 @@ def _layer_saved_bytes(tile_norms: bool, config: dict = TINY) -> tuple[int, int]
     offload (the attention chunks go to the host: left out), the layer's input left out (under
     checkpointing the checkpoint holds it), each storage counted once."""
     from lightning_longctx.attention import offload
-    from lightning_longctx.tiling import untile_mlp_
+    from lightning_longctx.ops.tiling import untile_mlp_
 
     torch.manual_seed(0)
     model = _model(config).to(torch.bfloat16)
@@ -717,7 +717,7 @@ def test_lora_under_tensor_parallelism_counts_each_ranks_adapter_halves():
     a column-wise layer and A of a row-wise one per rank; the count equals the real plan's local shards."""
     from peft import LoraConfig, get_peft_model
 
-    from lightning_longctx.tensor_parallel import check_tp
+    from lightning_longctx.parallel.tensor_parallel import check_tp
 
     tp = 2
     model = get_peft_model(_model(TINY), LoraConfig(r=8, target_modules="all-linear"))
@@ -784,7 +784,7 @@ def _tp_local_numel(name: str, p: torch.Tensor, style: str | None, tp: int) -> i
 def _tp_local_counts(model: torch.nn.Module, tp: int, vocab_parallel: bool) -> tuple[int, int, int]:
     """(all, block 0, outside the blocks) elements one tp rank holds: the model's concrete plan applied by rule,
     the lm_head over the vocabulary when vocabulary parallel (tensor_parallel.vocab_parallel_head)."""
-    from lightning_longctx.tensor_parallel import tp_plan_of, vocab_parallel_head
+    from lightning_longctx.parallel.tensor_parallel import tp_plan_of, vocab_parallel_head
 
     plan = tp_plan_of(model)
     local = {
@@ -1106,7 +1106,7 @@ def test_the_cli_plans_the_model_with_its_config_overrides():
     function builds the config for CausalLM, ``plan`` and ``export``)."""
     import yaml
 
-    from lightning_longctx.plan_cli import plan_kwargs_from_config
+    from lightning_longctx.cli.plan import plan_kwargs_from_config
 
     config = yaml.safe_load((CONFIGS / "demo_cpu.yaml").read_text())
     config["model"]["init_args"]["config_overrides"] = {"num_hidden_layers": 7}
@@ -1263,7 +1263,7 @@ def test_a_causal_lm_lora_config_is_planned_with_its_adapters():
     """``model.init_args.lora`` (CausalLM's peft LoRA) reaches the plan: frozen base weights, rank-r adapters."""
     import yaml
 
-    from lightning_longctx.plan_cli import plan_kwargs_from_config
+    from lightning_longctx.cli.plan import plan_kwargs_from_config
 
     config = yaml.safe_load((ROOT / "examples" / "configs" / "demo_cpu.yaml").read_text())
     model, full, _ = plan_kwargs_from_config(config)
@@ -1602,7 +1602,7 @@ def _fpdt_ring_live(heads: int, kv_heads: int, offload: bool) -> tuple[int, int,
 
     from helpers.launch import process_groups
     from lightning_longctx.attention.fpdt_ring import fpdt_ring_attention
-    from lightning_longctx.mesh import ParallelLayout, build_world_mesh
+    from lightning_longctx.parallel.mesh import ParallelLayout, build_world_mesh
 
     torch.set_num_threads(1)
     n, d, rank = 4096, 32, dist.get_rank()

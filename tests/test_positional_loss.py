@@ -21,10 +21,10 @@ from helpers.hf_models import HFModule, TokenDataset, tiny_model
 from helpers.lightning import lightning_env
 from helpers.reference import packed_positions
 from lightning_longctx import UlyssesFPDTStrategy, sequence_parallel_cross_entropy
-from lightning_longctx.callbacks import PositionalLoss
-from lightning_longctx.callbacks.positional_loss import METRIC_PREFIX, bucket_edges
-from lightning_longctx.chunked_loss import chunked_lm_head_cross_entropy
 from lightning_longctx.integrations.transformers import context_of
+from lightning_longctx.lightning.callbacks import PositionalLoss
+from lightning_longctx.lightning.callbacks.positional_loss import METRIC_PREFIX, bucket_edges
+from lightning_longctx.ops.chunked_loss import chunked_lm_head_cross_entropy
 
 SEQ = 60  # not a multiple of P x chunk at P = 2 and 4 with chunk 8: shard_batch pads the end
 N_SAMPLES, BATCH = 4, 2

@@ -30,9 +30,16 @@ from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompo
 
 from helpers.hf_models import HFModule, TokenDataset, tiny_model
 from helpers.lightning import lightning_env
-from lightning_longctx import UlyssesFPDTStrategy, preemption
-from lightning_longctx.callbacks import Preempted, Preemption
-from lightning_longctx.checkpoint import COMMIT_FILE, commit, commit_info, latest_checkpoint, partial_path
+from lightning_longctx import UlyssesFPDTStrategy
+from lightning_longctx.lightning import preemption
+from lightning_longctx.lightning.callbacks import Preempted, Preemption
+from lightning_longctx.lightning.checkpoint import (
+    COMMIT_FILE,
+    commit,
+    commit_info,
+    latest_checkpoint,
+    partial_path,
+)
 
 SEQ = 24
 STEPS = 4  # optimizer steps

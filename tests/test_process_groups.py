@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.lightning import fit_hf
-from lightning_longctx.mesh import ParallelLayout, build_world_mesh
+from lightning_longctx.parallel.mesh import ParallelLayout, build_world_mesh
 
 #: one process's fits, one after another: DDP, FSDP2 (its sharded model is read after the fit), Ulysses x ring
 FITS = [{}, {"data_parallel": "fsdp"}, {"ring_size": 2}] * 2

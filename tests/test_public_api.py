@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import lightning_longctx
-from lightning_longctx import callbacks, recipes
+from lightning_longctx import recipes
 from lightning_longctx.attention import fpdt_attention, ulysses_attention
+from lightning_longctx.lightning import callbacks
 
 PACKAGE = Path(lightning_longctx.__file__).parent
 RECIPES = "lightning_longctx.recipes"
@@ -119,3 +120,23 @@ def test_version_comes_from_package_metadata():
     from importlib.metadata import version
 
     assert lightning_longctx.__version__ == version("lightning-longctx")
+
+
+def test_module_paths_from_before_the_subpackages_import_the_same_module():
+    """0.6 grouped the flat modules into subpackages: every old path (user code, YAML class paths) still imports,
+    as the very module at its new place, and no old path is also a file of the package."""
+    import importlib
+
+    from lightning_longctx._moved import MOVED
+
+    for old, new in MOVED.items():
+        assert importlib.import_module(f"lightning_longctx.{old}") is importlib.import_module(
+            f"lightning_longctx.{new}"
+        ), old
+        assert not (PACKAGE / f"{old}.py").exists() and not (PACKAGE / old).is_dir(), old
+    from lightning_longctx.callbacks import MFUMonitor
+    from lightning_longctx.callbacks.memory import MemoryMonitor
+    from lightning_longctx.lightning.callbacks import MFUMonitor as new_mfu
+    from lightning_longctx.lightning.callbacks.memory import MemoryMonitor as new_memory
+
+    assert MFUMonitor is new_mfu and MemoryMonitor is new_memory

@@ -14,8 +14,8 @@ from helpers.launch import process_groups
 from helpers.marks import WORLD8
 from helpers.reference import packed_positions, reference_attention
 from lightning_longctx.attention.ring import RING_LAYOUTS, RingLayout, ring_attention, ring_work
-from lightning_longctx.comm import count_all_to_all
-from lightning_longctx.sharding import document_ids
+from lightning_longctx.parallel.comm import count_all_to_all
+from lightning_longctx.parallel.sharding import document_ids
 
 N, D = 32, 8  # global tokens (zigzag at r = 4: 8 chunks of 4), head dim
 
@@ -353,7 +353,7 @@ def _usp_errors(ring: int) -> dict:
     """{(case, layout kind): (max error of out/dq/dk/dv on this rank, its partial dsinks, the reference's)}
     for sp = world, ring = ``ring``, the groups from the world mesh (s = j * U + u)."""
     from lightning_longctx.attention.ring import usp_attention
-    from lightning_longctx.mesh import ParallelLayout, build_world_mesh
+    from lightning_longctx.parallel.mesh import ParallelLayout, build_world_mesh
 
     rank, world = dist.get_rank(), dist.get_world_size()
     par = ParallelLayout(world_size=world, sp=world, ring=ring)
@@ -440,7 +440,7 @@ def test_strategy_ring_refusals():
 def test_shard_batch_ring_layout_is_the_ring_layouts():
     """``shard_batch(..., ring=r)`` gives sp rank ``j*U + u`` ``RingLayout.sp_shard``'s tokens, pads to 2P, and
     ``gather_sequence`` / ``global_index`` invert it (one process standing in for each rank's view)."""
-    from lightning_longctx.sharding import _ring_index, global_index
+    from lightning_longctx.parallel.sharding import _ring_index, global_index
 
     for world, ring in ((2, 2), (4, 2), (4, 4), (8, 2)):
         n, u_size = 16 * world, world // ring

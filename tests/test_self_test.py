@@ -20,7 +20,7 @@ import torch.distributed as dist
 from helpers.hf_models import HFModule, TokenDataset, reference_training, tiny_model
 from helpers.lightning import SEQ, lightning_env
 from lightning_longctx import UlyssesFPDTStrategy
-from lightning_longctx.self_test import TOLERANCE, SelfTestFailed, make_probe, probe_shape
+from lightning_longctx.parallel.self_test import TOLERANCE, SelfTestFailed, make_probe, probe_shape
 
 MODES = {
     "ulysses": {},

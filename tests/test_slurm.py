@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_longctx.slurm import main, write_sbatch
+from lightning_longctx.cli.slurm import main, write_sbatch
 
 
 def _sbatch_lines(text: str) -> list[str]:
@@ -135,6 +135,6 @@ def test_signal_lead_is_an_option_and_the_job_resumes_automatically(capsys):
     [("90", 5400), ("1:30", 90), ("2:00:00", 7200), ("1-0", 86400), ("1-2:3", 93780), ("1-2:3:4", 93784)],
 )
 def test_time_limit_seconds(time, seconds):
-    from lightning_longctx.slurm import time_limit_seconds
+    from lightning_longctx.cli.slurm import time_limit_seconds
 
     assert time_limit_seconds(time) == seconds

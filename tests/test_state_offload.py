@@ -365,7 +365,7 @@ def test_cpu_offload_builds_the_model_on_the_host(cpu_offload):
 def test_only_the_transformers_models_stay_on_the_host():
     """Under cpu_offload the strategy moves the LightningModule to the device except its transformers models
     (fully_shard takes those to the device one block at a time): buffers and metrics outside them move."""
-    from lightning_longctx.fsdp import move_all_but_models
+    from lightning_longctx.parallel.fsdp import move_all_but_models
 
     module = torch.nn.Module()
     module.model = tiny_model("llama", layers=1)

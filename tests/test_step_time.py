@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from lightning_longctx.flops import flops_per_token
 from lightning_longctx.planner import DeviceSpec, estimate_step_time
 from lightning_longctx.planner.devices import DEVICES, KernelRate, device_spec, load_spec, spec_from_dict
+from lightning_longctx.planner.flops import flops_per_token
 from lightning_longctx.planner.published import LLAMA3_8B, PUBLISHED_RUNS, flash_attention_check
 from lightning_longctx.planner.step_time import cpu_spec
 
@@ -171,7 +171,7 @@ def test_kernel_ramp():
 
 
 def test_cli_plan_with_gpu(capsys):
-    from lightning_longctx.plan_cli import main
+    from lightning_longctx.cli.plan import main
 
     cfg = "examples/configs/llama3_8b_1m_fpdt_8gpu.yaml"
     assert main(["--config", cfg, "--gpu", "h100", "--json"]) == 0
@@ -187,7 +187,7 @@ def test_cli_plan_with_gpu(capsys):
 
 def test_cli_plan_with_a_measured_cpu(tmp_path, capsys):
     """``--gpu cpu --device-spec FILE`` reads a stored calibration (written by calibrate_cpu when absent)."""
-    from lightning_longctx.plan_cli import main
+    from lightning_longctx.cli.plan import main
 
     spec = dataclasses.replace(device_spec("h100"), name="CPU (stored)", cores=2, overlap=False)
     path = tmp_path / "cpu.json"
@@ -213,9 +213,9 @@ def test_bench_published_table():
 
 
 def test_slurm_suggests_time_and_signal_lead(tmp_path, capsys):
-    from lightning_longctx.plan_cli import slurm_suggestion
-    from lightning_longctx.slurm import DEFAULT_SIGNAL_LEAD_S
-    from lightning_longctx.slurm import main as slurm_main
+    from lightning_longctx.cli.plan import slurm_suggestion
+    from lightning_longctx.cli.slurm import DEFAULT_SIGNAL_LEAD_S
+    from lightning_longctx.cli.slurm import main as slurm_main
 
     cfg = "examples/configs/llama3_8b_1m_fpdt_8gpu.yaml"
     hint = slurm_suggestion(cfg, "h100")

@@ -144,7 +144,7 @@ def test_settings_are_written_once_and_seen_by_the_cli():
     import dataclasses
     import inspect
 
-    from lightning_longctx.strategy import SequenceParallelConfig
+    from lightning_longctx.lightning.strategy import SequenceParallelConfig
 
     params = inspect.signature(UlyssesFPDTStrategy).parameters
     for field in dataclasses.fields(SequenceParallelConfig):

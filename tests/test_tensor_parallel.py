@@ -12,7 +12,7 @@ from helpers.hf_models import HFModule, TokenDataset, reference_training, tiny_m
 from helpers.lightning import SEQ, lightning_env
 from helpers.marks import WORLD8
 from lightning_longctx import UlyssesFPDTStrategy
-from lightning_longctx.mesh import ParallelLayout
+from lightning_longctx.parallel.mesh import ParallelLayout
 
 STEPS = 3  # optimizer steps: the first moves the weights, the next two run on moved, split weights
 
@@ -145,7 +145,7 @@ def test_layout_puts_tp_innermost_and_sp_next():
 
 
 def test_refusals_name_the_rule():
-    from lightning_longctx.tensor_parallel import check_tp
+    from lightning_longctx.parallel.tensor_parallel import check_tp
 
     with pytest.raises(ValueError, match="tensor_parallel_size=2 with data_parallel='ddp'"):
         UlyssesFPDTStrategy(tensor_parallel_size=2)

@@ -12,8 +12,8 @@ from torch import nn
 
 from helpers.launch import process_groups
 from lightning_longctx import sequence_parallel_cross_entropy, shard_sequence
-from lightning_longctx.chunked_loss import chunked_lm_head_cross_entropy
-from lightning_longctx.tiling import is_tiled, tile_mlp_, tiled_forward, untile_mlp_
+from lightning_longctx.ops.chunked_loss import chunked_lm_head_cross_entropy
+from lightning_longctx.ops.tiling import is_tiled, tile_mlp_, tiled_forward, untile_mlp_
 
 
 class SwiGLU(nn.Module):

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from helpers.hf_models import HFModule, reference_training, tiny_config, tiny_model
 from helpers.lightning import lightning_env
 from lightning_longctx import UlyssesFPDTStrategy
-from lightning_longctx.sharding import shift_labels
+from lightning_longctx.parallel.sharding import shift_labels
 
 SEQ, LR = 24, 0.5
 

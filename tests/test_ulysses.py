@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from helpers.reference import packed_positions, reference_attention
 from lightning_longctx import gather_sequence, shard_sequence, ulysses_attention
-from lightning_longctx.comm import count_all_to_all
+from lightning_longctx.parallel.comm import count_all_to_all
 
 CASES = {
     "causal_mha": dict(h=4, h_kv=4),
@@ -131,7 +131,7 @@ def test_bad_inputs_raise_clear_errors(dist_pool):
 def _packed_matches_one_by_one() -> dict:
     """seq_to_head_packed(q, k, v) == seq_to_head of each (uneven heads, GQA), forward and backward,
     also when one output gets no gradient."""
-    from lightning_longctx.comm import seq_to_head, seq_to_head_packed
+    from lightning_longctx.parallel.comm import seq_to_head, seq_to_head_packed
 
     g = torch.Generator().manual_seed(dist.get_rank())
     xs = [torch.randn(2, 3, h, 4, generator=g, dtype=torch.float64) for h in (6, 3, 3)]
@@ -161,7 +161,7 @@ def _packed_async_matches_one_by_one() -> dict:
     """The background packed all-to-alls FPDT uses: seq_to_head_packed_async == seq_to_head_async of each,
     head_to_seq_packed_async == head_to_seq_async of each (uneven heads, GQA; mixed dtypes go one by one),
     bitwise, in one all-to-all where the dtypes agree."""
-    from lightning_longctx.comm import (
+    from lightning_longctx.parallel.comm import (
         count_all_to_all,
         head_to_seq_async,
         head_to_seq_packed_async,
@@ -201,7 +201,7 @@ def _routed_docs_gathered_once() -> dict:
     it gathered, so a call gathers the positions once (not twice); with ``documents=`` not at all."""
     import lightning_longctx.attention.fpdt as fpdt
     import lightning_longctx.attention.ulysses as uly
-    from lightning_longctx.sharding import document_ids
+    from lightning_longctx.parallel.sharding import document_ids
 
     b, n, h, d = 1, 16, 4, 8
     g = torch.Generator().manual_seed(0)

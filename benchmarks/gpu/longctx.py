@@ -15,7 +15,7 @@ all-to-alls are identities, the kernels and tiling are the ones used at any P):
   ``(N, 32000)`` logits tensor would dominate memory). Lengths in order; each first without activation
   checkpointing, and on OOM again with it (``as needed``); the first OOM with checkpointing stops the
   sweep. MFU = ``flops_per_token(config, N) * N / step_s / peak`` (causal attention counted half,
-  recomputation never counted), peak = the data-sheet dense bf16 FLOP/s of ``lightning_longctx.flops``
+  recomputation never counted), peak = the data-sheet dense bf16 FLOP/s of ``lightning_longctx.planner.flops``
   (989e12 for an H200; a GPU not in that table: its measured bf16 matmul).
 * ``fit`` (mode ``fpdt`` + ``offload``; ``--activation-offload``: checkpointing from the start with each
   layer's input in host memory): doubling search from ``--start``, one fresh process per length
@@ -39,7 +39,7 @@ all-to-alls are identities, the kernels and tiling are the ones used at any P):
   ``max_memory_reserved`` and the device memory in use at the end (the CUDA context too) vs the planned
   ``device_needed`` with the default reserve, and the process's peak RSS vs the planned ``host_needed``.
 
-* ``selftest``: the strategy's self-test (``lightning_longctx.self_test.run_self_test``) of a tiny Llama (hidden
+* ``selftest``: the strategy's self-test (``lightning_longctx.parallel.self_test.run_self_test``) of a tiny Llama (hidden
   512, 4 heads of 128, 2 kv heads, 2 layers, vocab 1024) on this device at P = 1, Ulysses and FPDT + offload,
   each in ``32-true`` (float32 weights: one float32 check) and ``bf16-mixed`` (float32 weights under bf16
   autocast, as DDP runs it: a float32 check with autocast off, then a bf16 one): the relative errors of the
@@ -98,7 +98,7 @@ SDPA_BACKENDS = dict(
 
 def peak_flops(device: torch.device) -> tuple[float, str]:
     """Dense bf16 peak of the GPU from the package's table (else its measured bf16 matmul); CPU: fp32."""
-    from lightning_longctx.flops import get_peak_flops, measure_peak_flops
+    from lightning_longctx.planner.flops import get_peak_flops, measure_peak_flops
 
     if device.type != "cuda":
         return measure_peak_flops(device, "fp32"), "measured: cpu fp32 matmul (dry run)"
@@ -132,8 +132,8 @@ def build_model(args: argparse.Namespace, device: torch.device, max_len: int) ->
         model, group=None, mode=args.mode, chunk_size=chunk, offload=args.offload, backend=backend
     )
     if args.cpu_offload:  # parallelize's last step for data_parallel="fsdp", cpu_offload=True, bf16-mixed
-        from lightning_longctx.fsdp import FSDP2Sharding
-        from lightning_longctx.mesh import ParallelLayout, build_world_mesh
+        from lightning_longctx.parallel.fsdp import FSDP2Sharding
+        from lightning_longctx.parallel.mesh import ParallelLayout, build_world_mesh
 
         mesh = build_world_mesh(ParallelLayout(world_size=1, sp=1), device.type)
         FSDP2Sharding(mesh, cpu_offload=True).shard(model, param_dtype=torch.bfloat16)
@@ -178,8 +178,8 @@ def run_self_test(
     each check's relative errors and tolerance, where a failed one diverges first, the seconds; an exception
     other than a refusal is recorded too (``error``)."""
     from lightning_longctx.integrations.transformers import context_of
-    from lightning_longctx.self_test import SelfTestFailed
-    from lightning_longctx.self_test import run_self_test as self_test
+    from lightning_longctx.parallel.self_test import SelfTestFailed
+    from lightning_longctx.parallel.self_test import run_self_test as self_test
 
     low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
 
@@ -398,7 +398,7 @@ def measure_length(
 
 
 def add_rates(row: dict[str, Any], config: Any, peak: float) -> None:
-    from lightning_longctx.flops import flops_per_token
+    from lightning_longctx.planner.flops import flops_per_token
 
     n = row["seq_len"]
     fpt = row["flops_per_token"] = flops_per_token(config, n)
@@ -489,7 +489,7 @@ def _self_test_status(payload: dict[str, Any]) -> int:
 
 def run_length(args: argparse.Namespace) -> dict[str, Any]:
     """One length of ``fit`` (FPDT + offload), in a process launched for it; the row."""
-    from lightning_longctx.callbacks.memory import host_rss_bytes
+    from lightning_longctx.lightning.callbacks.memory import host_rss_bytes
 
     device = torch.device(args.device)
     if args.tf32:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_longctx.comm import Group, group_rank_size, head_split
-from lightning_longctx.sharding import document_ids
+from lightning_longctx.parallel.comm import Group, group_rank_size, head_split
+from lightning_longctx.parallel.sharding import document_ids
 
 
 @dataclass(frozen=True)

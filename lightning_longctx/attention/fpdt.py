@@ -66,7 +66,7 @@ from lightning_longctx.attention.kernels import (
     sink_grad,
 )
 from lightning_longctx.attention.offload import ChunkStore
-from lightning_longctx.comm import (
+from lightning_longctx.parallel.comm import (
     Group,
     PendingAllToAll,
     SequenceParallelFunction,
@@ -76,7 +76,7 @@ from lightning_longctx.comm import (
     seq_to_head_async,
     seq_to_head_packed_async,
 )
-from lightning_longctx.sharding import gather_sequence
+from lightning_longctx.parallel.sharding import gather_sequence
 
 #: Backends FPDT accepts: its blocks need the log-sum-exp and a backward given the row's final
 #: (out, lse). "auto": a fused kernel where one passed its probe (``fused.py``), else math; "fused":

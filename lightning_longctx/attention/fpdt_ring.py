@@ -52,7 +52,7 @@ from lightning_longctx.attention.fpdt import (
 from lightning_longctx.attention.kernels import merge_sinks, sink_grad
 from lightning_longctx.attention.offload import ChunkStore
 from lightning_longctx.attention.ring import RingLayout, _check_call
-from lightning_longctx.comm import (
+from lightning_longctx.parallel.comm import (
     Group,
     PendingAllToAll,
     SequenceParallelFunction,

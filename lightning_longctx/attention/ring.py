@@ -49,7 +49,7 @@ from lightning_longctx.attention.common import (
 from lightning_longctx.attention.fpdt import BlockPlan, Unit, block_kernels, unit_backward, unit_forward
 from lightning_longctx.attention.fused import common_dtype
 from lightning_longctx.attention.kernels import merge_blocks, merge_sinks, sink_grad
-from lightning_longctx.comm import (
+from lightning_longctx.parallel.comm import (
     Group,
     SequenceParallelFunction,
     group_rank_size,

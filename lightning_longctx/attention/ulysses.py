@@ -30,7 +30,13 @@ from lightning_longctx.attention.common import (
 )
 from lightning_longctx.attention.fpdt import fpdt_attention
 from lightning_longctx.attention.kernels import KERNELS, resolve_backend
-from lightning_longctx.comm import Group, all_gather_no_grad, group_rank_size, head_to_seq, seq_to_head_packed
+from lightning_longctx.parallel.comm import (
+    Group,
+    all_gather_no_grad,
+    group_rank_size,
+    head_to_seq,
+    seq_to_head_packed,
+)
 
 
 def ulysses_attention(

@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_longctx.comm import Group, all_reduce_no_grad, group_rank_size
-from lightning_longctx.sharding import document_ids, gather_sequence, global_index, local_chunk
+from lightning_longctx.parallel.comm import Group, all_reduce_no_grad, group_rank_size
+from lightning_longctx.parallel.sharding import document_ids, gather_sequence, global_index, local_chunk
 
 if TYPE_CHECKING:
     from lightning_longctx.config import ResolvedConfig
     from lightning_longctx.integrations.lm_head import ChunkedHead
     from lightning_longctx.integrations.moe import MoEAuxLossPlan
     from lightning_longctx.integrations.rope import RopeLimit
-    from lightning_longctx.loss import TokenLossObserver
+    from lightning_longctx.ops.loss import TokenLossObserver
 
 
 def _version(t: torch.Tensor) -> int:

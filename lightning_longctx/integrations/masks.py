@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_longctx.comm import group_rank_size
 from lightning_longctx.integrations.context import SequenceParallelContext
+from lightning_longctx.parallel.comm import group_rank_size
 
 #: ``config.layer_types`` entries whose mask sequence-parallel attention expresses exactly.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")

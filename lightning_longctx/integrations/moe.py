@@ -19,7 +19,7 @@ rank, for any layout (contiguous or FPDT chunks; tokens are only summed) and any
 
 Gradient. Only S is differentiable; C (top-k indices) and R (mask) are constants, and the
 GLOBAL R normalises. ``d aux / d S_e = E * C_e / R**2``, the same number on every rank. The all-reduce
-of the local sums ``S^r`` has an identity backward (:func:`~lightning_longctx.comm.all_reduce_sum_identity_grad`),
+of the local sums ``S^r`` has an identity backward (:func:`~lightning_longctx.parallel.comm.all_reduce_sum_identity_grad`),
 so rank r receives ``d aux / d S^r_e = d aux / d S_e`` (as ``dS / dS^r = 1``) and back-propagates it
 through its own tokens' softmax only. The strategy SUMS parameter gradients over the SP ranks, giving
 ``sum_r sum_e (E C_e / R**2) dS^r_e/dθ = sum_e (E C_e / R**2) dS_e/dθ = d aux/dθ``: single-device
@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_longctx.comm import Group, all_reduce_sum_identity_grad
+from lightning_longctx.parallel.comm import Group, all_reduce_sum_identity_grad
 
 #: The one formula computed exactly: Mixtral's ``load_balancing_loss_func`` and its verbatim copies.
 MIXTRAL = "mixtral"

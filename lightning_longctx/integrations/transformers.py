@@ -39,7 +39,6 @@ from lightning_longctx.attention.fpdt import fpdt_attention
 from lightning_longctx.attention.fpdt_ring import fpdt_ring_attention
 from lightning_longctx.attention.ring import RingLayout, usp_attention
 from lightning_longctx.attention.ulysses import ulysses_attention
-from lightning_longctx.comm import Group, group_rank_size
 from lightning_longctx.config import MODES, Mode, ResolvedConfig, SequenceParallelConfig
 from lightning_longctx.integrations.context import SequenceParallelContext
 from lightning_longctx.integrations.hf_symbols import check_symbols
@@ -57,9 +56,10 @@ from lightning_longctx.integrations.masks import (
 )
 from lightning_longctx.integrations.moe import moe_aux_loss_plan
 from lightning_longctx.integrations.rope import patch_rotary, rope_limit, unpatch_rotary
-from lightning_longctx.loss import sequence_parallel_cross_entropy
-from lightning_longctx.sharding import IGNORE_INDEX, document_ids, gather_sequence
-from lightning_longctx.tensor_parallel import local_head
+from lightning_longctx.ops.loss import sequence_parallel_cross_entropy
+from lightning_longctx.parallel.comm import Group, group_rank_size
+from lightning_longctx.parallel.sharding import IGNORE_INDEX, document_ids, gather_sequence
+from lightning_longctx.parallel.tensor_parallel import local_head
 
 _UNSET = object()
 
@@ -232,7 +232,7 @@ def _aux_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _chunked_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """CausalLM forward whose loss never materialises the ``(b, s/P, vocab)`` logits (FPDT mode)."""
-    from lightning_longctx.chunked_loss import chunked_lm_head_cross_entropy
+    from lightning_longctx.ops.chunked_loss import chunked_lm_head_cross_entropy
 
     ctx = context_of(self)
     labels = kwargs.pop("labels", None)
@@ -335,7 +335,7 @@ def enable_activation_checkpointing(model: nn.Module, *, offload: bool = False) 
     """Non-reentrant checkpointing of the decoder layers (the method was renamed in transformers 5.x).
 
     ``offload=True``: each layer's checkpointed input waits in pinned host memory until its recompute
-    and is prefetched back on a side stream (:class:`~lightning_longctx.checkpoint_offload.OffloadedCheckpoint`).
+    and is prefetched back on a side stream (:class:`~lightning_longctx.ops.activation_offload.OffloadedCheckpoint`).
     Returns a function that puts the model's checkpointing back as it was (flags, checkpoint functions,
     the input-embedding hook transformers adds); the strategy calls it at teardown.
     """
@@ -362,7 +362,7 @@ def enable_activation_checkpointing(model: nn.Module, *, offload: bool = False) 
     else:  # transformers < 5
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if offload:
-        from lightning_longctx.checkpoint_offload import OffloadedCheckpoint
+        from lightning_longctx.ops.activation_offload import OffloadedCheckpoint
 
         # transformers' own convention (its _set_gradient_checkpointing): every module with the flag on calls
         # its `_gradient_checkpointing_func`; one instance for the model links the layers for the prefetch
@@ -485,7 +485,7 @@ def enable_sequence_parallel(
     model.loss_function = functools.partial(_hf_loss, ctx)
     saved["mixers"] = patch_mixers(model, ctx, mixers)
     if mode is Mode.FPDT:
-        from lightning_longctx.tiling import is_tiled, tile_mlp_
+        from lightning_longctx.ops.tiling import is_tiled, tile_mlp_
 
         # MoE blocks stay untiled when the model has a load-balancing loss: the tiled forward runs without
         # autograd, so the router logits it records would carry no gradient.
@@ -564,7 +564,7 @@ def sequence_parallel_off(model: nn.Module) -> Iterator[SequenceParallelContext]
     (an MLP may mix tokens: a token shift). What stays: the activation checkpointing, tensor-parallel and FSDP2
     wrapping around it. On exit every patched piece is back, the very objects, under the same key. The self-test (``self_test.py``) runs its reference inside. Yields the
     model's context; every rank need not enter it together (it runs no collective)."""
-    from lightning_longctx.tiling import TILED_ATTRS, untile_mlp_
+    from lightning_longctx.ops.tiling import TILED_ATTRS, untile_mlp_
 
     ctx = context_of(model)
     if ctx is None:
@@ -610,7 +610,7 @@ def disable_sequence_parallel(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_sequence_parallel`: the model's attention, cache setting, loss, forward and
     MLPs are as before, its hooks are removed and its attention and mask key are unregistered. Returns
     the model; a model that is not sequence-parallel is returned unchanged."""
-    from lightning_longctx.tiling import untile_mlp_
+    from lightning_longctx.ops.tiling import untile_mlp_
 
     ctx = context_of(model)
     if ctx is None:

@@ -112,7 +112,7 @@ with ``host_memory``;
 :attr:`MemoryPlan.binding` names the limit with the least room.
 
 In the code, one module per job: ``shapes.py`` reads the model's shape from its config (shared with
-:mod:`lightning_longctx.flops`); ``plan.py`` maps :func:`plan_memory`'s keywords onto the strategy's
+:mod:`lightning_longctx.planner.flops`); ``plan.py`` maps :func:`plan_memory`'s keywords onto the strategy's
 :class:`~lightning_longctx.config.SequenceParallelConfig` (validated there, once) and resolves it;
 ``layout.py`` turns the shape and the resolved config into a ``_Layout`` (per-rank shapes, dtype sizes, mode
 flags), checking the planner's own inputs; ``terms.py`` has one small function per memory term, returning a

@@ -4,7 +4,7 @@ Every number is an *achieved* rate (what a kernel or a copy reaches), not a data
 ``peak_flops``, the MFU denominator. Rates are per device; ``host_memory_bandwidth`` is per host (node), shared
 by its ranks. Sources, per field (``source`` of each spec names them again):
 
-* ``peak_flops``: dense bf16 of the vendors' data sheets (``lightning_longctx.flops.PEAK_FLOPS``; B200: 2.25
+* ``peak_flops``: dense bf16 of the vendors' data sheets (``lightning_longctx.planner.flops.PEAK_FLOPS``; B200: 2.25
   PFLOP/s dense, NVIDIA HGX B200 data sheet).
 * ``matmul_flops``: bf16 Maximum Achievable Matmul FLOPS (MAMF), S. Bekman, *ml-engineering*,
   ``compute/accelerator`` (mamf-finder.py): A100 SXM 267.9, H100 SXM 792.1, B200 1745.0 TFLOP/s. H200 runs

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_longctx.attention.common import kv_repeat_factor
-from lightning_longctx.chunked_loss import default_loss_chunk_size
 from lightning_longctx.config import SUPPORTED_PRECISION, ResolvedConfig
-from lightning_longctx.fsdp import MIXED_PRECISION_DTYPES
+from lightning_longctx.ops.chunked_loss import default_loss_chunk_size
+from lightning_longctx.parallel.fsdp import MIXED_PRECISION_DTYPES
 from lightning_longctx.planner.report import parse_bytes
 from lightning_longctx.planner.shapes import _LLAMA_BLOCK, ATTENTION, _Block, _Shape, _TPSplit
 
@@ -373,7 +373,7 @@ def _check_tp(shape: _Shape, tp: int) -> None:
     """What the strategy refuses for ``tensor_parallel_size > 1`` of this model (``tensor_parallel.check_tp``),
     with the same messages, read from the shape (no model is built); the settings' own rules (FSDP) are
     ``SequenceParallelConfig``'s."""
-    from lightning_longctx.tensor_parallel import TESTED_STYLES
+    from lightning_longctx.parallel.tensor_parallel import TESTED_STYLES
 
     name = shape.model_name
     if not shape.tp.styles:

@@ -1,7 +1,7 @@
 """The model's shape, from a Hugging Face config: what the memory planner and the FLOP count read.
 
 :func:`decoder_dims` reads ``(d, L, H, H_kv, hd, I, V)`` of a decoder config and :func:`matmul_params_of`
-counts the weights a token goes through a matmul with; :mod:`lightning_longctx.flops` counts its FLOPs
+counts the weights a token goes through a matmul with; :mod:`lightning_longctx.planner.flops` counts its FLOPs
 from the same two, so the planner and the MFU callback never disagree on a model. :func:`model_shape` adds
 what only memory needs: every parameter counted on the meta device (the largest block, the root, one block's
 linears for LoRA), how the model's tensor-parallel plan splits them, and each layer's kind for hybrid
@@ -127,7 +127,7 @@ _Split = tuple[tuple[int, int], ...]
 
 @dataclass(frozen=True)
 class _TPSplit:
-    """What ``tensor_parallel_size`` splits (:func:`lightning_longctx.tensor_parallel.tp_plan_of`, applied by
+    """What ``tensor_parallel_size`` splits (:func:`lightning_longctx.parallel.tensor_parallel.tp_plan_of`, applied by
     transformers' styles): colwise / packed_colwise parameters along their output dim (dim 0; dim 1 of a 3-D
     expert tensor), rowwise / packed_rowwise weights along their last dim (a rowwise bias stays replicated),
     everything else replicated (embedding, norms, Qwen3's q/k norms, a MoE router). A split of ``n`` rows
@@ -350,7 +350,7 @@ def _summed(pairs: list[tuple[int, int]]) -> _Split:
 
 def _tp_split(model: Any, blocks: list[Any]) -> _TPSplit:
     """Each parameter's tensor-parallel split by the model's own plan (works on the meta device)."""
-    from lightning_longctx.tensor_parallel import tp_plan_of, vocab_parallel_head
+    from lightning_longctx.parallel.tensor_parallel import tp_plan_of, vocab_parallel_head
 
     plan = tp_plan_of(model)
     split = {}  # id(param) -> (rows, elements per row)

@@ -37,7 +37,7 @@ are measured by :func:`calibrate_cpu`). Per rank, one optimizer step of ``micro_
 
 ``step_time = compute + exposed communication + exposed host transfers + optimizer``; ``binding`` names the
 largest. MFU is PaLM's: model FLOPs (``6·N_matmul + 12·L·H·hd·K`` per token, causal halved, recompute never
-counted; for attention-only models equal to :func:`lightning_longctx.flops.flops_per_token` without
+counted; for attention-only models equal to :func:`lightning_longctx.planner.flops.flops_per_token` without
 ``document_length``, hybrids count their attention layers only) per device per second over the data-sheet
 peak. ``hfu`` counts what runs: recompute included (Megatron's convention for
 checkpointing), causal still halved.
@@ -191,7 +191,7 @@ def _keys_per_query(row: int, window: int | None, document: int | None) -> float
 
 def _attention_windows(config: Any, lay: _Layout) -> list[int | None]:
     """The sliding window (None: full) of each attention layer, in order."""
-    from lightning_longctx.flops import _layer_windows
+    from lightning_longctx.planner.flops import _layer_windows
 
     windows = _layer_windows(text_config(_as_config(config)), lay.shape.layers)
     return [w for w, block in zip(windows, lay.blocks, strict=False) if ATTENTION in block.mixers]
@@ -787,7 +787,7 @@ def _a2a_worker(rank: float, world: float, port: float, budget: float) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_longctx import comm
+    from lightning_longctx.parallel import comm
 
     torch.set_num_threads(1)
     r, n = int(rank), int(world)

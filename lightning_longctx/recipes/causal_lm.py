@@ -12,7 +12,7 @@ context (right device and dtype from the start; no fp32 copy of an 8B model in h
 A recipe: it uses only the core's public pieces (the strategy's ``sp_group``, ``step_loss`` and
 ``loss_is_token_mean``, :func:`~lightning_longctx.sequence_parallel_cross_entropy`,
 :func:`~lightning_longctx.enable_activation_checkpointing`, ``shift_labels`` and ``IGNORE_INDEX`` of
-:mod:`lightning_longctx.sharding`, the byte tokenizer of :mod:`lightning_longctx.data`) and the recall task's
+:mod:`lightning_longctx.parallel.sharding`, the byte tokenizer of :mod:`lightning_longctx.data`) and the recall task's
 accuracy. LoRA is peft's (``lora=``): the strategy patches the Hugging Face model inside the ``PeftModel``.
 """
 
@@ -30,8 +30,8 @@ from typing_extensions import override
 from lightning_longctx import enable_activation_checkpointing, sequence_parallel_cross_entropy
 from lightning_longctx.data import ByteTokenizer
 from lightning_longctx.integrations.hf_config import build_config
+from lightning_longctx.parallel.sharding import IGNORE_INDEX, shift_labels
 from lightning_longctx.recipes.recall import RecallAccuracy
-from lightning_longctx.sharding import IGNORE_INDEX, shift_labels
 
 __all__ = ["CausalLM", "warmup_cosine"]
 

@@ -5,7 +5,7 @@ keys and values are spread over the whole sequence and asked for at its end, so 
 attention reaches across every sequence shard. :class:`LongRecallDataModule` is the data of
 ``examples/configs/demo_long_cpu.yaml`` (8,192 tokens): the values of a few keys are stated over one span of
 the sequence and asked for up to thousands of tokens after it; its :meth:`~LongRecallDataModule.needle_prompt`
-gives :class:`~lightning_longctx.callbacks.NeedleRetrieval` the same task as a grid of context lengths x depths
+gives :class:`~lightning_longctx.lightning.callbacks.NeedleRetrieval` the same task as a grid of context lengths x depths
 of the span. :class:`RecallAccuracy` (``val/recall_acc`` of :class:`~lightning_longctx.recipes.CausalLM`) counts
 argmax hits at the labelled positions and is exact under sequence parallelism. Built on the core's public
 pieces only (:class:`~lightning_longctx.data.PackedDataModule` (resumable loaders), ``IGNORE_INDEX``, the callbacks'
@@ -23,9 +23,9 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from typing_extensions import override
 
-from lightning_longctx.callbacks.needle import NeedlePrompt, NeedleSample
 from lightning_longctx.data import PackedDataModule
-from lightning_longctx.sharding import IGNORE_INDEX
+from lightning_longctx.lightning.callbacks.needle import NeedlePrompt, NeedleSample
+from lightning_longctx.parallel.sharding import IGNORE_INDEX
 
 __all__ = [
     "LongRecallDataModule",
@@ -369,7 +369,7 @@ class LongRecallPrompt(NeedlePrompt):
 class LongRecallDataModule(PackedDataModule):
     """The long-range recall task (:class:`LongRecallDataset`): training samples with the span anywhere,
     validation samples with the span at the start (queries up to ``seq_len`` tokens after it), and
-    :meth:`needle_prompt` for :class:`~lightning_longctx.callbacks.NeedleRetrieval`.
+    :meth:`needle_prompt` for :class:`~lightning_longctx.lightning.callbacks.NeedleRetrieval`.
 
     Args:
         seq_len, num_keys, num_values, num_filler, evidence, query_rate: as in :class:`LongRecallDataset`.
@@ -413,7 +413,7 @@ class LongRecallDataModule(PackedDataModule):
         return self.train_dataset.chance_accuracy
 
     def needle_prompt(self, seed: int = 0) -> LongRecallPrompt:
-        """The task as :class:`~lightning_longctx.callbacks.NeedleRetrieval`'s grid (it asks for it)."""
+        """The task as :class:`~lightning_longctx.lightning.callbacks.NeedleRetrieval`'s grid (it asks for it)."""
         hp = self.hparams
         return LongRecallPrompt(
             num_keys=hp.num_keys, num_values=hp.num_values, num_filler=hp.num_filler, evidence=hp.evidence,

@@ -277,7 +277,7 @@ def process_groups() -> Iterator[Callable[[_Owned], _Owned]]:
         owned.append(thing)
         return thing
 
-    from lightning_longctx.mesh import forget_dtensor_caches
+    from lightning_longctx.parallel.mesh import forget_dtensor_caches
 
     try:
         yield own
@@ -293,7 +293,7 @@ def _destroy(thing: Any) -> bool:
     """Destroy one thing :func:`process_groups` owns; whether it was a mesh."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_longctx.mesh import WorldMesh, _forget_groups
+    from lightning_longctx.parallel.mesh import WorldMesh, _forget_groups
 
     if not dist.is_initialized():
         return False  # the default group is gone, and every other group went with it

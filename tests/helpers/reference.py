@@ -68,7 +68,7 @@ def affine_scan_errors(
     the scan without ``order`` (its default, the strided order)."""
     import torch.distributed as dist
 
-    from lightning_longctx.comm import exclusive_affine_scan
+    from lightning_longctx.parallel.comm import exclusive_affine_scan
 
     rank = dist.get_rank()
     torch.manual_seed(seed)

@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from helpers.hf_models import HFModule, TokenDataset, tiny_model
 from lightning_longctx import UlyssesFPDTStrategy
-from lightning_longctx.callbacks import PeriodicCheckpoint
-from lightning_longctx.checkpoint import latest_checkpoint
 from lightning_longctx.data import ResumableDataLoader
+from lightning_longctx.lightning.callbacks import PeriodicCheckpoint
+from lightning_longctx.lightning.checkpoint import latest_checkpoint
 
 
 class Module(HFModule):

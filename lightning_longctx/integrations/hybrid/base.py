@@ -23,8 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_longctx.comm import Group, SegmentOrder, exclusive_affine_scan, group_rank_size, halo_exchange
-from lightning_longctx.sharding import global_index
+from lightning_longctx.parallel.comm import (
+    Group,
+    SegmentOrder,
+    exclusive_affine_scan,
+    group_rank_size,
+    halo_exchange,
+)
+from lightning_longctx.parallel.sharding import global_index
 
 if TYPE_CHECKING:
     from lightning_longctx.integrations.context import SequenceParallelContext
@@ -151,7 +157,7 @@ class MixerCall:
         return segment_order(local_len, self.chunk(local_len), world, ctx.chunk_size, ctx.ring)
 
     def halo_exchange(self, tails: torch.Tensor, local_len: int) -> torch.Tensor:
-        """:func:`~lightning_longctx.comm.halo_exchange` of this call's segments in global order: ``tails``
+        """:func:`~lightning_longctx.parallel.comm.halo_exchange` of this call's segments in global order: ``tails``
         ``(u, ...)`` the last positions of each local segment of a shard of ``local_len`` tokens; returns those
         of the segment before each, ``(u, ...)`` (zeros before the sequence start)."""
         return halo_exchange(tails, self.group, order=self.order(local_len))
@@ -163,7 +169,7 @@ class MixerCall:
         apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         local_len: int,
     ) -> torch.Tensor:
-        """:func:`~lightning_longctx.comm.exclusive_affine_scan` of this call's segments in global order:
+        """:func:`~lightning_longctx.parallel.comm.exclusive_affine_scan` of this call's segments in global order:
         ``M`` ``(u, ...)``, ``B`` ``(u, *state)`` each local segment's summary (shard of ``local_len`` tokens);
         returns each one's entry state ``(u, *state)``."""
         return exclusive_affine_scan(M, B, apply, self.group, order=self.order(local_len))

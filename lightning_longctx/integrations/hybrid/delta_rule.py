@@ -6,7 +6,7 @@ Householder-like ``d_k x d_k`` map) and ``o_t = S_tᵀ q_t``: affine in the entr
 ``S_out = M S_in + B`` and ``o_t = o⁰_t + R_t S_in``. One call of the model's own function computes all four
 (the identity-column trick): values ``[v | 0]`` (``d_k`` zero columns) from the entry state ``[0 | I]``. The
 columns evolve independently, so the outputs are ``[o⁰ | R]`` and the final state ``[B | M]``; cost: ``d_k``
-extra value columns. :func:`~lightning_longctx.comm.exclusive_affine_scan` then gives each segment its
+extra value columns. :func:`~lightning_longctx.parallel.comm.exclusive_affine_scan` then gives each segment its
 ``S_in``, and ``o = o⁰ + R S_in``. Autograd runs through the model's function; the scan's backward carries
 the state gradients across ranks.
 

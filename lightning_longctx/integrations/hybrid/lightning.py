@@ -7,7 +7,7 @@ tokens (intra-block ``(QKᵀ ⊙ decay) V``, inter-block ``(Q ⊙ λ^{i+1}) S``)
 boundaries, so a segment may start anywhere. From a zero entry state, a segment of ``c`` tokens gives
 ``o⁰`` and ``B`` (its exit state); with entry state ``S_in``, ``o_t = o⁰_t + λ^{t+1} q_t S_in`` (``t``
 counted from the segment start) and ``S_out = λ^c S_in + B``: ``M = λ^c`` is a constant per head.
-:func:`~lightning_longctx.comm.exclusive_affine_scan` gives each segment ``S_in`` (one all-gather of
+:func:`~lightning_longctx.parallel.comm.exclusive_affine_scan` gives each segment ``S_in`` (one all-gather of
 ``u * b * h * d²`` values, ``M`` a few scalars). The correction is added before the output norm, gate and
 projection, which are per token. Autograd runs through our block loop; the scan's backward carries the
 state gradient across ranks.

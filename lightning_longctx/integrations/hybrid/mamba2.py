@@ -7,7 +7,7 @@ is affine in its entry state with a scalar ``M = exp(A ΣΔ)``: ``S_out = M S_in
 ``y_t = y⁰_t + exp(A cumΔ_t) S_in C_t``, where ``y⁰`` and ``B`` (the final state) come from one call of the
 model's own function from a zero entry state, and ``M`` and the decay ``exp(A cumΔ_t)`` in closed form from
 ``dt`` (the same discretisation as the kernel: bias, softplus, clamp, in float32). ``D x`` lives in ``y⁰``
-only, so it is counted once. :func:`~lightning_longctx.comm.exclusive_affine_scan` (broadcast product: ``M``
+only, so it is counted once. :func:`~lightning_longctx.parallel.comm.exclusive_affine_scan` (broadcast product: ``M``
 is a scalar per head) gives each segment its ``S_in``. Autograd runs through the model's function and the
 closed form; the scan's backward carries the state gradients across ranks.
 

@@ -14,7 +14,7 @@ segment of rank 0 holds: the positions are global) in float32, ``h`` ``(b, lru_w
 state: ``h_t = h⁰_t + P_t ⊙ S_in`` with ``h⁰`` the model's own scan from a zero state and
 ``P_t = ∏_{s<=t} a'_s`` (``torch.cumprod``; its backward is exact at the reset's zero), so
 ``S_out = M ⊙ S_in + B`` with ``M = P_last``, ``B = h⁰_last``.
-:func:`~lightning_longctx.comm.exclusive_affine_scan` gives each segment its ``S_in`` (one all-gather of
+:func:`~lightning_longctx.parallel.comm.exclusive_affine_scan` gives each segment its ``S_in`` (one all-gather of
 ``2 * lru_width * u * b`` floats); autograd runs through the model's scan and the cumulative product, the
 scan's backward carries the state gradient across ranks. The normalisation ``sqrt(1 - a²)`` and the gates
 are per token (the Rglru's own forward, unchanged); at position 0 the model skips the normalisation, and

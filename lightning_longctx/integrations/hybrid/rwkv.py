@@ -5,7 +5,7 @@ Token shift. Time mixing (``RwkvSelfAttention.extract_key_value``) and channel m
 a causal convolution of width 2. Both take the previous token of their first position from the model's own
 recurrent state (``state[1]``, ``state[0]``, the generation cache), so we call the model's methods on the
 segments with a state holding, per segment, the last token of the segment before in global order
-(:func:`~lightning_longctx.comm.halo_exchange`; zeros before the first, the shift's own padding). Bytes:
+(:func:`~lightning_longctx.parallel.comm.halo_exchange`; zeros before the first, the shift's own padding). Bytes:
 ``hidden * u * b`` elements each way per shift.
 
 WKV. Per channel, with ``w = -exp(time_decay)`` and ``u = time_first``, the real state ``(a, b)`` evolves as
@@ -14,7 +14,7 @@ WKV. Per channel, with ``w = -exp(time_decay)`` and ``u = time_first``, the real
 ``S_out = e^{w c} S_in + B`` (diagonal), the output is not (a ratio). The model keeps the state in log
 scale, ``(num, den, max)`` with ``a = num e^max``, which ours follows: (1) the model's own
 ``rwkv_linear_attention_cpu`` from a zero state gives each segment's ``B`` as ``(num, den, max)``;
-(2) :func:`~lightning_longctx.comm.exclusive_affine_scan` folds the summaries in log scale (the ``apply``
+(2) :func:`~lightning_longctx.parallel.comm.exclusive_affine_scan` folds the summaries in log scale (the ``apply``
 below does the max-shifted sum; ``B`` travels inside ``M``, the scan's additive term being zero); (3) the
 same function runs each segment again from its entry state, so every output is computed exactly as on one
 device, from the state a single-device run reaches there. Autograd runs through both runs and the fold,

@@ -12,7 +12,7 @@ then ``y_t · silu(z_t)``. A segment entered with state ``S_in`` therefore has
 
 Neither the torch fallback nor mamba-ssm's ``selective_scan_fn`` takes an entry state, and mamba-ssm's backward
 drops the gradient of its ``last_state``; so ``B_r`` and the correction are computed here in closed form
-(exact, not a truncation), :func:`~lightning_longctx.comm.exclusive_affine_scan` gives each segment ``S_in``
+(exact, not a truncation), :func:`~lightning_longctx.parallel.comm.exclusive_affine_scan` gives each segment ``S_in``
 (``M`` diagonal: ``apply`` is ``torch.mul``), and autograd runs through everything (``dt``, ``delta_bias``,
 ``A``, ``x``, ``B``, ``C``). Every exponent is ``A`` (< 0) times a non-negative sum of ``Δ`` taken from the end
 that matters (prefix sums for the correction, suffix sums for ``B_r``), so nothing overflows and no

@@ -7,7 +7,7 @@ Per head, with ``f_t = sigmoid(f̃_t)`` and ``i_t = exp(ĩ_t)``, the real state 
 keeps the state in log scale, ``(C, n, m)`` with real value ``C e^m``, and its kernels (chunkwise, or
 step-by-step for what is left of a chunk) take an entry state in that form. Ours: (1) the model's backend
 from a zero state gives each segment's ``B`` as ``(C, n, m)``; (2)
-:func:`~lightning_longctx.comm.exclusive_affine_scan` folds the summaries in log scale (the ``apply`` below
+:func:`~lightning_longctx.parallel.comm.exclusive_affine_scan` folds the summaries in log scale (the ``apply`` below
 does the max-shifted sum, as the kernels update ``m``; ``B`` travels inside ``M``, the scan's additive term
 being zero); (3) the backend runs each segment again from its entry state. Every output is thus the
 model's own kernel from the state a single-device run reaches there. The real values are exact; only the

@@ -25,8 +25,8 @@ from typing import Any
 
 from torch import nn
 
-from lightning_longctx.comm import all_gather_no_grad, all_gather_object, group_rank_size
-from lightning_longctx.mesh import TP_AXIS
+from lightning_longctx.parallel.comm import all_gather_no_grad, all_gather_object, group_rank_size
+from lightning_longctx.parallel.mesh import TP_AXIS
 
 #: the plan styles checked exact against one process: Llama, Qwen2, Qwen3, Mistral, Mixtral (experts, where its
 #: plan splits them, up to transformers 5.24: the packed gate/up column-wise, down row-wise, their sum

@@ -9,7 +9,7 @@ Where the per-token losses come from (one mechanism, no second forward):
 
 * a sequence-parallel model (the strategy patched it, Ulysses or FPDT): its own loss hands each rank's
   per-token losses to an observer on the model's ``SequenceParallelContext`` (``ctx.loss_observer``, a
-  :data:`~lightning_longctx.loss.TokenLossObserver`): ``sequence_parallel_cross_entropy`` under Ulysses,
+  :data:`~lightning_longctx.ops.loss.TokenLossObserver`): ``sequence_parallel_cross_entropy`` under Ulysses,
   the chunked lm_head + loss under FPDT (from the chunks' log-sum-exps: never full logits). The observer
   places them at their GLOBAL positions: the layout's global token index (``sharding.global_index``,
   FPDT's strided chunks included) or the batch's global ``position_ids``.
@@ -39,9 +39,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_longctx.comm import all_reduce_no_grad
 from lightning_longctx.integrations.context import SequenceParallelContext
-from lightning_longctx.sharding import IGNORE_INDEX, shift_labels
+from lightning_longctx.parallel.comm import all_reduce_no_grad
+from lightning_longctx.parallel.sharding import IGNORE_INDEX, shift_labels
 
 __all__ = ["PositionalLoss", "bucket_edges"]
 
@@ -182,7 +182,7 @@ class _LogitsObserver:
 
 
 def _outermost_hf_models(module: nn.Module) -> list[nn.Module]:
-    from lightning_longctx.fsdp import outermost_models
+    from lightning_longctx.parallel.fsdp import outermost_models
 
     return outermost_models(module)
 

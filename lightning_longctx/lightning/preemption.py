@@ -16,7 +16,7 @@ The protocol here (docs/slurm.md):
 3. If any rank recorded a signal, every rank calls ``trainer.save_checkpoint`` into
    ``step-<global_step>.ckpt`` (a committed checkpoint under
    :class:`~lightning_longctx.UlyssesFPDTStrategy`, found by
-   :func:`lightning_longctx.checkpoint.latest_checkpoint`); on SLURM, after the requeue signal, rank 0 runs
+   :func:`lightning_longctx.lightning.checkpoint.latest_checkpoint`); on SLURM, after the requeue signal, rank 0 runs
    ``scontrol requeue``; then every rank raises :class:`Preempted` (a ``SystemExit``), which ends ``fit``.
 
 :class:`~lightning_longctx.UlyssesFPDTStrategy` adds this callback by itself and turns off Lightning's own
@@ -41,8 +41,8 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint, OnException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_longctx.checkpoint import step_checkpoint_path
-from lightning_longctx.comm import all_reduce_no_grad
+from lightning_longctx.lightning.checkpoint import step_checkpoint_path
+from lightning_longctx.parallel.comm import all_reduce_no_grad
 
 __all__ = ["Preempted", "Preemption", "slurm_job_id"]
 

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_longctx.comm import Group, all_reduce_no_grad
-from lightning_longctx.sharding import shift_labels
+from lightning_longctx.parallel.comm import Group, all_reduce_no_grad
+from lightning_longctx.parallel.sharding import shift_labels
 
 
 class TokenMeanWindow:

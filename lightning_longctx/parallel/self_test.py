@@ -43,11 +43,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_longctx.comm import Group, all_gather_object, all_reduce_no_grad
 from lightning_longctx.config import Mode, ResolvedConfig
 from lightning_longctx.integrations.context import BatchPositions, SequenceParallelContext
 from lightning_longctx.integrations.transformers import sequence_parallel_off
-from lightning_longctx.sharding import IGNORE_INDEX, document_ids, gather_sequence, shard_batch
+from lightning_longctx.parallel.comm import Group, all_gather_object, all_reduce_no_grad
+from lightning_longctx.parallel.sharding import IGNORE_INDEX, document_ids, gather_sequence, shard_batch
 
 #: The relative error (``max|a - b| / max|b|``) the parallel run may show against the reference, by compute
 #: dtype; set from the noise floors measured over the architecture sweep (``python tests/arch_sweep.py`` prints

@@ -1,6 +1,6 @@
 """``data_parallel="ddp"``: the model replicated on every rank, its gradients averaged by DDP over dp x sp.
 
-The counterpart of ``fsdp.py``'s :class:`~lightning_longctx.fsdp.FSDP2Sharding`: the strategy holds one of
+The counterpart of ``fsdp.py``'s :class:`~lightning_longctx.parallel.fsdp.FSDP2Sharding`: the strategy holds one of
 the two (chosen once, in ``setup_environment``) and calls the same two methods on it, so neither path
 branches on the other. Why every dp x sp rank: parameters are replicated over the sequence-parallel ranks
 too, and each holds only its tokens' share of the gradient; DDP's average over the world's replicas with
@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 if TYPE_CHECKING:
-    from lightning_longctx.mesh import WorldMesh
+    from lightning_longctx.parallel.mesh import WorldMesh
 
 
 class DDPReplication:

@@ -34,7 +34,7 @@ from torchmetrics.aggregation import SumMetric
 from torchmetrics.wrappers import Running
 from typing_extensions import override
 
-from lightning_longctx.flops import (
+from lightning_longctx.planner.flops import (
     find_hf_config,
     flops_per_token,
     get_peak_flops,
@@ -100,13 +100,13 @@ class MFUMonitor(L.Callback):
 
     Args:
         peak_flops: dense peak FLOP/s of ONE device. Default: looked up in
-            :data:`lightning_longctx.flops.PEAK_FLOPS` by GPU name and the trainer's precision;
+            :data:`lightning_longctx.planner.flops.PEAK_FLOPS` by GPU name and the trainer's precision;
             on a CPU (or an unlisted GPU, with a warning) a short measured matmul peak instead,
             so CPU MFU is relative to this machine's measured matmul speed, not a spec.
         window: steps in the running sums (tokens/s = Σ tokens / Σ seconds over the window).
         warmup_steps: training batches skipped before anything is measured (compilation, allocator).
         flops_per_token: override the model FLOPs per token: a number, or ``f(seq_len) -> float``.
-            Default: :func:`lightning_longctx.flops.flops_per_token` on the model's HF config.
+            Default: :func:`lightning_longctx.planner.flops.flops_per_token` on the model's HF config.
         causal: count half the attention scores (masked blocks are skipped by the kernels).
 
     The aggregates are ``torchmetrics`` running sums kept per rank (no sync): see the module docstring.

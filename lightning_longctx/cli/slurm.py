@@ -9,7 +9,7 @@ Usage (the console script routes ``lightning-longctx slurm ...`` here)::
 Arguments after ``--`` are appended to the ``fit`` command line. The script passes ``--ckpt_path auto``: a
 requeued (or resubmitted) job resumes from the run's newest committed checkpoint, and a first run starts fresh.
 SLURM sends SIGUSR1 ``--signal-lead`` seconds before the time limit; every rank then saves at the next optimizer
-step and rank 0 requeues the job (lightning_longctx/preemption.py). The lead time must cover the rest of one
+step and rank 0 requeues the job (lightning_longctx/lightning/preemption.py). The lead time must cover the rest of one
 optimizer step plus one checkpoint save.
 """
 
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.gpu is not None:  # the step-time model's suggestion (plan_cli.slurm_suggestion)
-            from lightning_longctx.plan_cli import slurm_suggestion
+            from lightning_longctx.cli.plan import slurm_suggestion
 
             hint = slurm_suggestion(args.config, args.gpu, gpus_per_node=args.gpus_per_node)
             print(hint["note"], file=sys.stderr)

@@ -18,8 +18,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_longctx.attention.offload import offloaded_bytes
-from lightning_longctx.callbacks.mfu import MFUMonitor
-from lightning_longctx.comm import all_reduce_no_grad
+from lightning_longctx.lightning.callbacks.mfu import MFUMonitor
+from lightning_longctx.parallel.comm import all_reduce_no_grad
 
 __all__ = ["MemoryMonitor", "host_rss_bytes", "max_over_ranks"]
 

@@ -1,6 +1,6 @@
 """``data_parallel="fsdp"``: FSDP2 ``fully_shard`` over all dp x sp ranks (the world mesh's ``replicas``).
 
-:func:`~lightning_longctx.parallelize.parallelize` shards with it (its last step); the DDP path is
+:func:`~lightning_longctx.parallel.parallelize.parallelize` shards with it (its last step); the DDP path is
 ``ddp.py``, so each path reads straight through. Why all dp x sp ranks: FSDP2's reduce-scatter averages gradients over every
 rank it shards across; with the loss scaled by ``sp`` (the strategy's ``backward``) the average over
 dp x sp ranks is "sum over sp, mean over dp", exactly as DDP's all-reduce over the world.
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from lightning_longctx.mesh import WorldMesh
+    from lightning_longctx.parallel.mesh import WorldMesh
 
 #: Lightning's mixed precisions -> the dtype FSDP2 computes in (the sharded master weights stay fp32).
 MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -66,7 +66,7 @@ def move_all_but_models(module: nn.Module, device: torch.device) -> None:
 
 class FSDP2Sharding:
     """Shards the transformers models of a LightningModule with ``fully_shard`` over the world mesh's
-    ``replicas`` (:class:`~lightning_longctx.mesh.WorldMesh`: the flattened dp x sp axis, which shares its
+    ``replicas`` (:class:`~lightning_longctx.parallel.mesh.WorldMesh`: the flattened dp x sp axis, which shares its
     root with the TP mesh, so FSDP2 composes with TP's DTensors).
 
     ``cpu_offload``: parameters, gradients and optimizer states in host memory (pinned when the mesh is on

@@ -42,33 +42,33 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_longctx import checkpoint as ckpt
-from lightning_longctx import preemption
-from lightning_longctx.comm import all_gather_object, all_reduce_no_grad, reaches_sequence_parallel
 from lightning_longctx.config import (
     DEFAULT_FPDT_CHUNK_SIZE,
     SUPPORTED_PRECISION,
     ResolvedConfig,
     SequenceParallelConfig,
 )
-from lightning_longctx.fit_check import (
+from lightning_longctx.integrations.context import BatchPositions, SequenceParallelContext
+from lightning_longctx.integrations.hybrid import packed_documents_refusal
+from lightning_longctx.integrations.hybrid.base import halo_error
+from lightning_longctx.lightning import checkpoint as ckpt
+from lightning_longctx.lightning import preemption
+from lightning_longctx.lightning.fit_check import (
     Unplannable,
     check_first_step,
     device_capacity,
     enabled,
     fit_check_capacity,
 )
-from lightning_longctx.flops import find_hf_config
-from lightning_longctx.fsdp import MIXED_PRECISION_DTYPES
-from lightning_longctx.integrations.context import BatchPositions, SequenceParallelContext
-from lightning_longctx.integrations.hybrid import packed_documents_refusal
-from lightning_longctx.integrations.hybrid.base import halo_error
-from lightning_longctx.mesh import ParallelLayout, WorldMesh, build_world_mesh
-from lightning_longctx.parallelize import Parallelized, data_parallel_for, parallelize
+from lightning_longctx.ops.token_mean import TokenMeanWindow
+from lightning_longctx.parallel.comm import all_gather_object, all_reduce_no_grad, reaches_sequence_parallel
+from lightning_longctx.parallel.fsdp import MIXED_PRECISION_DTYPES
+from lightning_longctx.parallel.mesh import ParallelLayout, WorldMesh, build_world_mesh
+from lightning_longctx.parallel.parallelize import Parallelized, data_parallel_for, parallelize
+from lightning_longctx.parallel.sharding import global_positions, shard_batch
 from lightning_longctx.planner import MemoryPlan
+from lightning_longctx.planner.flops import find_hf_config
 from lightning_longctx.planner.shapes import text_config
-from lightning_longctx.sharding import global_positions, shard_batch
-from lightning_longctx.token_mean import TokenMeanWindow
 
 
 def _config_arguments(config_cls: type) -> Any:
@@ -169,7 +169,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
             check on (a CPU run's plan reserves no CUDA context).
         self_test: before the first training step, run each transformers model as parallelized against the
             same model with sequence parallelism off on a short probe, on every rank, on these devices and
-            kernels, and refuse the run (:class:`~lightning_longctx.self_test.SelfTestFailed`, naming the first
+            kernels, and refuse the run (:class:`~lightning_longctx.parallel.self_test.SelfTestFailed`, naming the first
             module that diverges) where they differ beyond the compute dtype's tolerance (``self_test.py``,
             docs/user_guide.md). Nothing of the run changes when they agree. ``"auto"`` (default) and ``True``:
             on (a plain module, which calls our attention itself, cannot be tested: ``"auto"`` says so in the
@@ -375,7 +375,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
         # a preemption signal sets a flag; every rank saves at the next optimizer step (preemption.py)
         preemption.install(trainer)
         if self.layout.tp > 1:  # gradient clipping by norm over the gradients of both meshes (TP, dp x sp)
-            from lightning_longctx.tensor_parallel import clip_grad_norm_
+            from lightning_longctx.parallel.tensor_parallel import clip_grad_norm_
 
             plugin = self.precision_plugin
             plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(
@@ -608,7 +608,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
         if path.is_dir():
             raise ValueError(
                 f"ckpt_path={str(path)!r} is a directory without .metadata: not a (committed) sharded checkpoint. "
-                "Pass a committed checkpoint, e.g. lightning_longctx.checkpoint.latest_checkpoint(run_dir)"
+                "Pass a committed checkpoint, e.g. lightning_longctx.lightning.checkpoint.latest_checkpoint(run_dir)"
             )
         loaded = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         ckpt.load_full_state(self.lightning_module, optimizers, loaded, strict)
@@ -672,7 +672,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
     def _float32_self_test(self, done: Parallelized) -> None:
         """``parallelize``'s hook before FSDP2: the float32 check on a probe of synthetic tokens (no batch is at
         hand yet), the same probe rules; two packed documents unless a mixer refuses them."""
-        from lightning_longctx.self_test import synthetic_batch
+        from lightning_longctx.parallel.self_test import synthetic_batch
 
         if not self._float32_before_sharding or not done.contexts:
             return
@@ -710,7 +710,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
     ) -> None:
         """``self_test.run_self_test`` of ``done``'s models on ``batch`` with this strategy's layout; its reports
         kept in :attr:`self_test_reports`, one info line on a match (it raises on a mismatch)."""
-        from lightning_longctx.self_test import run_self_test
+        from lightning_longctx.parallel.self_test import run_self_test
 
         start = time.perf_counter()
         reports = run_self_test(
@@ -732,7 +732,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
         """``(rows, tokens)`` of the self-test's probe for ``batch`` (``None``: no self-test will run)."""
         if not self._self_test_pending or not self._contexts:
             return None
-        from lightning_longctx.self_test import probe_shape
+        from lightning_longctx.parallel.self_test import probe_shape
 
         rows = min(2, int(batch["input_ids"].shape[0]))
         halo = max(ctx.mixer_halo for ctx in self._contexts)
@@ -950,7 +950,7 @@ class UlyssesFPDTStrategy(DDPStrategy):
         """The first optimizer step's closure, then the check that every parameter the TP plan does not split
         has the same gradient on all TP ranks (``tensor_parallel.check_replicated_gradients``): a model
         whose plan misses a parameter is refused before its first update."""
-        from lightning_longctx.tensor_parallel import check_replicated_gradients
+        from lightning_longctx.parallel.tensor_parallel import check_replicated_gradients
 
         def closure_then_check() -> Any:
             out = closure()

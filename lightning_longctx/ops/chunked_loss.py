@@ -30,7 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_longctx.comm import (
+from lightning_longctx.ops.loss import TokenLossObserver, global_valid_count
+from lightning_longctx.parallel.comm import (
     Group,
     all_gather_no_grad,
     all_reduce_,
@@ -38,8 +39,7 @@ from lightning_longctx.comm import (
     all_reduce_sum_identity_grad,
     group_rank_size,
 )
-from lightning_longctx.loss import TokenLossObserver, global_valid_count
-from lightning_longctx.sharding import IGNORE_INDEX
+from lightning_longctx.parallel.sharding import IGNORE_INDEX
 
 #: bytes of one fp32 ``(chunk, vocab)`` logits block when the loss chunk is not set (128 MiB: 1024 tokens
 #: of a 32K vocabulary, 256 of Llama-3's 128K)
@@ -215,7 +215,7 @@ def chunked_lm_head_cross_entropy(
             every rank of the group passes the same ``hidden`` and labels. The loss and the hidden-state
             gradient are the full vocabulary's; the weight gradient is this block's. ``None``: full weight.
         observer: also hands this rank's per-token losses, ``(b, s)`` like ``shift_labels``, to it
-            (:data:`~lightning_longctx.loss.TokenLossObserver`): the chunks' log-sum-exps minus target logits,
+            (:data:`~lightning_longctx.ops.loss.TokenLossObserver`): the chunks' log-sum-exps minus target logits,
             a ``(tokens,)`` vector the forward keeps anyway; never the logits. No collective.
 
     Returns a 0-dim fp32 tensor (fp64 for fp64 inputs), equal on all ranks of ``group``, identical in

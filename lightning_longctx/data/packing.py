@@ -9,9 +9,8 @@ The dataloaders are plain ``DataLoader``s without a sampler: Lightning injects t
 ``DistributedSampler`` (over the data-parallel ranks only, see the strategy), so every rank of a
 sequence-parallel group sees the same sample and shards it.
 
-Corpora larger than host memory: :class:`HFDatasetDataModule` (on Hugging Face ``datasets``, tokenized once
-into the datasets cache, read memory-mapped; defined in :mod:`lightning_longctx.hf_data` and imported from
-here on first use, so importing this module does not import the optional ``datasets``).
+Corpora larger than host memory: :class:`~lightning_longctx.data.hf.HFDatasetDataModule` (on Hugging Face
+``datasets``, tokenized once into the datasets cache, read memory-mapped).
 
 The demo's synthetic recall task lives in :mod:`lightning_longctx.recipes.recall`, built on this module.
 """
@@ -21,7 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 import torch
@@ -29,30 +28,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_longctx.sharding import IGNORE_INDEX
-
-if TYPE_CHECKING:  # imported on first access by __getattr__ below
-    from lightning_longctx.hf_data import HFDatasetDataModule
-
-__all__ = [
-    "ByteTokenizer",
-    "HFDatasetDataModule",
-    "PackedDataModule",
-    "PackedDataset",
-    "ResumableDataLoader",
-    "TextFilesDataModule",
-    "pack_documents",
-    "validation_documents",
-]
-
-
-def __getattr__(name: str) -> Any:
-    """``HFDatasetDataModule`` on first access: ``datasets`` stays optional and is not imported with this module."""
-    if name == "HFDatasetDataModule":
-        from lightning_longctx.hf_data import HFDatasetDataModule
-
-        return HFDatasetDataModule
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+from lightning_longctx.parallel.sharding import IGNORE_INDEX
 
 
 class ResumableDataLoader(DataLoader):

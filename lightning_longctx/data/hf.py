@@ -36,8 +36,8 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from typing_extensions import override
 
-from lightning_longctx.data import PackedDataModule, _HFTokenizer, validation_documents
-from lightning_longctx.sharding import IGNORE_INDEX
+from lightning_longctx.data.packing import PackedDataModule, _HFTokenizer, validation_documents
+from lightning_longctx.parallel.sharding import IGNORE_INDEX
 
 if TYPE_CHECKING:
     import datasets

@@ -46,9 +46,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_longctx.callbacks.positional_loss import _outermost_hf_models, log_equal, plot_path
-from lightning_longctx.comm import all_reduce_no_grad
-from lightning_longctx.sharding import IGNORE_INDEX, shift_labels
+from lightning_longctx.lightning.callbacks.positional_loss import _outermost_hf_models, log_equal, plot_path
+from lightning_longctx.parallel.comm import all_reduce_no_grad
+from lightning_longctx.parallel.sharding import IGNORE_INDEX, shift_labels
 
 __all__ = ["NeedlePrompt", "NeedleRetrieval", "NeedleSample", "PasskeyPrompt"]
 
@@ -285,7 +285,7 @@ class NeedleRetrieval(L.Callback):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if prompt is not None and not isinstance(prompt, NeedlePrompt):
             raise TypeError(
-                f"prompt={prompt!r} is not a NeedlePrompt; subclass lightning_longctx.callbacks.needle.NeedlePrompt "
+                f"prompt={prompt!r} is not a NeedlePrompt; subclass lightning_longctx.lightning.callbacks.needle.NeedlePrompt "
                 "(its sample(length, depth, index) gives the prompt)"
             )
         self.samples, self.batch_size = int(samples), int(batch_size)
@@ -345,7 +345,7 @@ class NeedleRetrieval(L.Callback):
         if self.tokenizer == "byte":
             return ByteTokenizer()
         if isinstance(self.tokenizer, (str, Path)):
-            from lightning_longctx.data import _HFTokenizer
+            from lightning_longctx.data.packing import _HFTokenizer
 
             return _HFTokenizer(str(self.tokenizer))
         return self.tokenizer
@@ -587,7 +587,7 @@ def _data_parallel(strategy: Any) -> tuple[int, int]:
     """``(rank, size)`` over which the grid's batches are split: the data-parallel ranks of
     :class:`~lightning_longctx.UlyssesFPDTStrategy` (each sequence-parallel group runs its share); other
     strategies run the whole grid on every rank."""
-    from lightning_longctx.strategy import UlyssesFPDTStrategy
+    from lightning_longctx.lightning.strategy import UlyssesFPDTStrategy
 
     if isinstance(strategy, UlyssesFPDTStrategy):
         return strategy.dp_rank, strategy.dp_size

@@ -17,7 +17,7 @@ The order, and why:
    ``data_parallel="fsdp"`` only): last, as FSDP2 must see the final modules and parameters.
 
 Under ``data_parallel="ddp"`` steps 2 and 4 do nothing: wrap the result in DDP over the replica group
-(:class:`~lightning_longctx.ddp.DDPReplication`), as the strategy does. Steps 1 and 3 are undone by the
+(:class:`~lightning_longctx.parallel.ddp.DDPReplication`), as the strategy does. Steps 1 and 3 are undone by the
 returned handle (the strategy calls it at teardown, so a model leaves ``fit`` as it came); TP and FSDP2 are
 not undone, and a model sharded before keeps its shards (calling ``parallelize`` again after ``undo`` swaps
 the attention back in and skips what is already split or sharded).
@@ -42,7 +42,6 @@ import torch
 from torch import nn
 
 from lightning_longctx.config import Mode, ResolvedConfig
-from lightning_longctx.fsdp import FSDP2Sharding, outermost_models
 from lightning_longctx.integrations.context import SequenceParallelContext
 from lightning_longctx.integrations.transformers import (
     context_of,
@@ -50,7 +49,8 @@ from lightning_longctx.integrations.transformers import (
     enable_activation_checkpointing,
     enable_sequence_parallel,
 )
-from lightning_longctx.mesh import TP_AXIS, WorldMesh
+from lightning_longctx.parallel.fsdp import FSDP2Sharding, outermost_models
+from lightning_longctx.parallel.mesh import TP_AXIS, WorldMesh
 
 
 @dataclass
@@ -102,7 +102,7 @@ def parallelize(
         model: the module; its parameters on their device already (under ``cpu_offload`` the transformers
             models on the host: ``FSDP2Sharding.model_to_device``). Every rank calls this with the same
             weights (TP slices and FSDP2 shards each rank's own copy).
-        mesh: the world mesh (:func:`~lightning_longctx.mesh.build_world_mesh` of ``config.layout``).
+        mesh: the world mesh (:func:`~lightning_longctx.parallel.mesh.build_world_mesh` of ``config.layout``).
         config: the resolved settings (:meth:`SequenceParallelConfig.resolve`).
         param_dtype: FSDP2's compute dtype over the fp32 sharded parameters (``MixedPrecisionPolicy``,
             gradients reduced in fp32), e.g. ``torch.bfloat16`` for ``bf16-mixed``; ``None``: the parameters'
@@ -128,7 +128,7 @@ def parallelize(
     if config.tp > 1:
         for root in outermost_models(model):
             if not _tp_split(root):
-                from lightning_longctx.tensor_parallel import apply_tp_plan
+                from lightning_longctx.parallel.tensor_parallel import apply_tp_plan
 
                 apply_tp_plan(root, mesh.tp, tp=config.tp, vocab_parallel=config.mode is Mode.FPDT)
     # 3. activation checkpointing of the patched models
@@ -148,11 +148,11 @@ def parallelize(
 def data_parallel_for(mesh: WorldMesh, config: ResolvedConfig, **ddp_kwargs: Any) -> Any:
     """The data-parallel piece around :func:`parallelize`, one of two with the same two methods:
     ``model_to_device(module, device)`` before it and ``wrap(module, device_ids)`` after it (fitting).
-    :class:`~lightning_longctx.fsdp.FSDP2Sharding` under ``data_parallel="fsdp"`` (the host keeps the models
+    :class:`~lightning_longctx.parallel.fsdp.FSDP2Sharding` under ``data_parallel="fsdp"`` (the host keeps the models
     under ``cpu_offload``; ``wrap`` returns the module, which ``parallelize`` sharded) or
-    :class:`~lightning_longctx.ddp.DDPReplication` (``wrap``: DDP over the replicas; ``ddp_kwargs`` are its)."""
+    :class:`~lightning_longctx.parallel.ddp.DDPReplication` (``wrap``: DDP over the replicas; ``ddp_kwargs`` are its)."""
     if config.settings.data_parallel == "fsdp":
         return FSDP2Sharding(mesh, cpu_offload=config.settings.cpu_offload)
-    from lightning_longctx.ddp import DDPReplication
+    from lightning_longctx.parallel.ddp import DDPReplication
 
     return DDPReplication(mesh, **ddp_kwargs)

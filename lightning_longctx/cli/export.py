@@ -6,7 +6,7 @@
     AutoModelForCausalLM.from_pretrained("out/")
 
 :func:`export_pretrained` reads a committed sharded directory or a single ``.ckpt`` file (also what
-:func:`~lightning_longctx.checkpoint.consolidate` writes), rebuilds the Hugging Face model from the checkpoint's
+:func:`~lightning_longctx.lightning.checkpoint.consolidate` writes), rebuilds the Hugging Face model from the checkpoint's
 hyper-parameters (a :class:`~lightning_longctx.recipes.CausalLM`: its ``model_config`` or ``pretrained_path``'s
 ``config.json``, then its ``config_overrides``) or from a config the caller names, loads the ``model.``-prefixed
 weights into it and writes ``model.safetensors`` + ``config.json`` (+ the run's tokenizer). A peft LoRA model
@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_longctx.checkpoint import (
+from lightning_longctx.integrations.hf_config import apply_overrides
+from lightning_longctx.lightning.checkpoint import (
     META_FILE,
     MODEL_KEY,
     PARTIAL_PREFIX,
@@ -43,7 +44,6 @@ from lightning_longctx.checkpoint import (
     is_sharded_checkpoint,
     latest_checkpoint,
 )
-from lightning_longctx.integrations.hf_config import apply_overrides
 
 __all__ = ["export_pretrained", "hf_config", "main", "resolve_checkpoint"]
 
@@ -56,7 +56,7 @@ _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model"
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The checkpoint at ``path``: a committed sharded directory, a checkpoint file, or (a run directory) the
-    newest committed checkpoint under it (:func:`~lightning_longctx.checkpoint.latest_checkpoint`). An
+    newest committed checkpoint under it (:func:`~lightning_longctx.lightning.checkpoint.latest_checkpoint`). An
     uncommitted directory (``.partial-*``: being written, or its save was killed) is refused."""
     path = Path(path)
     if not path.exists():
@@ -65,7 +65,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
         raise ValueError(
             f"{path} is an uncommitted checkpoint (being written, or its save was killed mid-way); export a "
             "committed one: pass the run directory, or latest_checkpoint(run_dir) "
-            "(lightning_longctx.checkpoint) to find its newest"
+            "(lightning_longctx.lightning.checkpoint) to find its newest"
         )
     if path.is_file() or commit_info(path) is not None:
         return path
@@ -79,7 +79,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     )
     raise ValueError(
         f"{path} is {what}, and no committed checkpoint lies under it (checked by "
-        "lightning_longctx.checkpoint.latest_checkpoint); pass a checkpoint file, a committed checkpoint "
+        "lightning_longctx.lightning.checkpoint.latest_checkpoint); pass a checkpoint file, a committed checkpoint "
         "directory (commit.json inside), or the run directory that holds one"
     )
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lightning_longctx.comm import Group, all_gather_no_grad, group_rank_size
+from lightning_longctx.parallel.comm import Group, all_gather_no_grad, group_rank_size
 
 #: The label of a token that is not trained on (PyTorch's and Hugging Face's convention).
 IGNORE_INDEX = -100

@@ -33,9 +33,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 import lightning_longctx  # noqa: F401  (registers the strategy names before the Trainer parses them)
-from lightning_longctx import export, plan_cli, slurm
-from lightning_longctx.callbacks.progress import step_aware_progress_bar
-from lightning_longctx.checkpoint import commit_info, latest_checkpoint
+from lightning_longctx.cli import export, slurm
+from lightning_longctx.cli import plan as plan_cli
+from lightning_longctx.lightning.callbacks.progress import step_aware_progress_bar
+from lightning_longctx.lightning.checkpoint import commit_info, latest_checkpoint
 
 __all__ = ["LongCtxCLI", "main", "torchrun_world"]
 

@@ -26,7 +26,7 @@ class PeriodicCheckpoint(ModelCheckpoint):
     configures from YAML like it). Under :class:`~lightning_longctx.UlyssesFPDTStrategy` each save is a
     committed sharded checkpoint (a directory every rank writes), and older ones are deleted only once the
     newer one is committed, also with ``async_save``; the preemption save uses the same names, so
-    :func:`lightning_longctx.checkpoint.latest_checkpoint` (``--ckpt_path auto``) finds the newest of all.
+    :func:`lightning_longctx.lightning.checkpoint.latest_checkpoint` (``--ckpt_path auto``) finds the newest of all.
 
     Args:
         dirpath: the folder (default: Lightning's, ``<default_root_dir>/.../checkpoints``).

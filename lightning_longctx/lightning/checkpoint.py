@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_longctx import comm
+from lightning_longctx.parallel import comm
 
 __all__ = [
     "COMMIT_FILE",

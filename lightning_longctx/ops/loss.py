@@ -7,8 +7,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from lightning_longctx.comm import Group, all_reduce_no_grad, all_reduce_sum_identity_grad
-from lightning_longctx.sharding import IGNORE_INDEX
+from lightning_longctx.parallel.comm import Group, all_reduce_no_grad, all_reduce_sum_identity_grad
+from lightning_longctx.parallel.sharding import IGNORE_INDEX
 
 #: Called by the package's losses with this rank's per-token losses: ``(losses, valid)``, both shaped like the
 #: ``shift_labels`` (e.g. ``(b, s/P)``); ``losses`` fp32 (fp64 for fp64 inputs), detached, 0 where ``valid`` is
