@@ -25,6 +25,7 @@ import math
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import common
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--out", default=str(common.Path(__file__).resolve().parent / "results" / "hybrid.json"))
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "hybrid.json"))
     args = p.parse_args(argv)
     one = argparse.Namespace(**{**vars(args), "world": 1})
     ref = common.launch(_rank, 1, one, threads=1, timeout_s=args.timeout).check()[0]

@@ -1,7 +1,8 @@
 """The step-time model against this machine: predicted vs measured CPU step times, and the published runs.
 
-1. ``calibrate_cpu()`` measures this machine as a device (fp32 matmul FLOP/s, the fused CPU attention kernel's
-   forward / backward FLOP/s, a copy's memory bandwidth, one operator's latency, gloo's all-to-all bandwidth).
+1. ``calibrate_cpu()`` (``calibrate_step_time.py``) measures this machine as a device (fp32 matmul FLOP/s, the
+   fused CPU attention kernel's forward / backward FLOP/s, a copy's memory bandwidth, one operator's latency,
+   gloo's all-to-all bandwidth).
 2. Every point of the grid (Ulysses, FPDT and FPDT with offload at P = 1, 2, 4 and N = 2K-16K) is a fresh
    Lightning run of a small Llama (bench_throughput's runner: ``--warmup`` + ``--steps`` AdamW steps, rank 0's
    wall time between batch ends, median of the measured steps), one thread per rank, next to
@@ -27,10 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from bench_throughput import _fit_once
+from calibrate_step_time import calibrate_cpu
 from common import add_model_args, format_table, launch, save_results
 
 from lightning_longctx.planner.published import PUBLISHED_RUNS
-from lightning_longctx.planner.step_time import calibrate_cpu, estimate_step_time
+from lightning_longctx.planner.step_time import estimate_step_time
 
 #: (P, N) points of the grid; each runs every mode
 GRID = ((1, 2048), (1, 4096), (1, 8192), (2, 4096), (2, 8192), (2, 16384), (4, 8192), (4, 16384))

@@ -17,6 +17,7 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import common
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--out", default=str(common.Path(__file__).resolve().parent / "results" / "tp.json"))
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "tp.json"))
     args = p.parse_args(argv)
     rows = []
     for tp in (t for t in (1, 2, 4, 8) if args.world % t == 0 and SHAPE["num_key_value_heads"] % t == 0):

@@ -11,13 +11,15 @@ is built once and passed down. A new setting is a field here and a read in its o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
 from lightning_longctx.attention.fpdt import FPDT_BACKENDS
+from lightning_longctx.parallel.layout import SequenceLayout
 from lightning_longctx.parallel.mesh import ParallelLayout
-from lightning_longctx.parallel.sharding import IGNORE_INDEX, chunk_for
+from lightning_longctx.parallel.sharding import IGNORE_INDEX
 
 
 class Mode(str, Enum):
@@ -32,6 +34,21 @@ class Mode(str, Enum):
     FPDT = "fpdt"
 
     __str__ = str.__str__  # the value, as the strings it replaces ("fpdt", not "Mode.FPDT")
+    __format__ = str.__format__
+
+
+class DataParallel(str, Enum):
+    """How the dp x sp replicas of the model keep its parameters (``SequenceParallelConfig.data_parallel``).
+
+    A ``str`` enum like :class:`Mode`: ``DataParallel.FSDP == "fsdp"``, so the settings keep taking the
+    strings (YAML, keyword arguments); inside the package compare with the members."""
+
+    #: DDP: every rank holds the whole model; gradients all-reduced in buckets over dp x sp.
+    DDP = "ddp"
+    #: FSDP2: ``fully_shard`` of every transformer block over all dp x sp ranks.
+    FSDP = "fsdp"
+
+    __str__ = str.__str__  # the value, as the strings it replaces ("fsdp", not "DataParallel.FSDP")
     __format__ = str.__format__
 
 
@@ -272,9 +289,16 @@ class ResolvedConfig:
     def tp(self) -> int:
         return self.layout.tp
 
+    @functools.cached_property
+    def sequence_layout(self) -> SequenceLayout:
+        """Which tokens each sp rank holds (``parallel/layout.py``): ``sp`` ranks, ``layout.ring``, and the
+        configured ``fpdt_chunk_size``; built once, read by the batch sharding, the patched model and its
+        attention."""
+        return SequenceLayout(sp=self.sp, ring=self.layout.ring, chunk_size=self.settings.fpdt_chunk_size)
+
     def chunk_for(self, seq_len: int) -> int | None:
         """Tokens per FPDT chunk per rank for a global sequence of ``seq_len`` tokens (``None``: Ulysses)."""
-        return chunk_for(seq_len, self.sp, self.settings.fpdt_chunk_size, self.layout.ring)
+        return self.sequence_layout.chunk_for(seq_len)
 
     def __str__(self) -> str:
         return f"{self.layout}, mode={self.mode}"

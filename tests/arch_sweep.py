@@ -24,7 +24,6 @@ import argparse
 import copy
 import os
 import re
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -1079,10 +1078,9 @@ def sweep_packed(
 
 def run_all(names: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     """Both modes on a fresh pool of :data:`WORLD` gloo processes (the script entry; tests use ``dist_pool``)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import arch_sweep  # the ranks unpickle functions of the importable module, not of __main__
 
-    from helpers.launch import DistPool
+    from lightning_longctx.testing import DistPool
 
     pool = DistPool(WORLD)
     try:

@@ -1,14 +1,9 @@
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from helpers.launch import WarmPools
+from lightning_longctx.testing import WarmPools
 
 #: A warm gloo pool per world size (rebuilt when a previous test broke it): ``get_pool(world_size)``.
 get_pool = WarmPools()

@@ -1,8 +1,8 @@
 """What the randomized differential tests share: the verdict of one drawn configuration, and the rule
 that sorts a run's outcome into it.
 
-A configuration is run on real gloo ranks (``helpers.launch.DistPool``) and compared with a single-process
-reference. Its verdict is one of
+A configuration is run on real gloo ranks (``lightning_longctx.testing.DistPool``) and compared with a
+single-process reference. Its verdict is one of
 
 * ``exact``: every rank returned and every compared tensor is within the tolerance;
 * ``refused``: every rank raised the same ``ValueError`` / ``NotImplementedError`` from lightning_longctx's
@@ -10,7 +10,8 @@ reference. Its verdict is one of
 * ``failing``: anything else — a mismatch, another exception, a refusal some ranks raised and others did
   not, a dead rank or no result in bounded time (the pool names the ranks).
 
-``tests/test_fuzz.py`` runs a fixed-seed sample in CI; ``benchmarks/fuzz.py`` runs long searches.
+``tests/test_fuzz.py`` runs a fixed-seed sample in CI; ``tests/fuzz_search.py`` (``python benchmarks/fuzz.py``)
+runs long searches.
 """
 
 from __future__ import annotations

@@ -336,7 +336,7 @@ def _validated_module(model: torch.nn.Module, data: FuzzDataset):
     training rows."""
     from torch.utils.data import DataLoader
 
-    from helpers.hf_models import HFModule
+    from lightning_longctx.testing import HFModule
 
     class ValidatedModule(HFModule):
         def validation_step(self, batch, batch_idx):

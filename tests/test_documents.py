@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import lightning_longctx.attention.fpdt as fpdt_mod
 import lightning_longctx.attention.ulysses as ulysses_mod
-import lightning_longctx.integrations.context as context_mod
+import lightning_longctx.parallel.layout as layout_mod
 from helpers.reference import packed_positions, reference_attention
 from lightning_longctx import gather_sequence, shard_sequence
 from lightning_longctx.attention import fpdt_attention, ulysses_attention
@@ -20,8 +19,7 @@ class _CountGathers:
 
     NAMES = (
         (ulysses_mod, "all_gather_no_grad"),
-        (fpdt_mod, "gather_sequence"),
-        (context_mod, "gather_sequence"),
+        (layout_mod, "all_gather_no_grad"),
     )
 
     def __enter__(self):

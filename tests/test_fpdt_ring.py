@@ -166,7 +166,7 @@ TRAINER_CASES = {
 
 def _fit_with_ring(arch, sp, skw, mkw):
     """``fit_hf``'s results, the ring the strategy resolved, and the attention functions the model ran."""
-    import lightning_longctx.integrations.transformers as hf
+    import lightning_longctx.attention.dispatch as hf
     import lightning_longctx.lightning.strategy as strategy_module
     from helpers.lightning import fit_hf
 

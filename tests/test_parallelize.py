@@ -116,25 +116,28 @@ def test_parallelize_module_is_not_shadowed():
     assert callable(module.parallelize) and "parallelize" not in lightning_longctx.__all__
 
 
-def _lightning_free_step(chunk: int | None, flatten: bool) -> dict:
-    """The user guide's "Without Lightning" recipe on 4 ranks (sp 2 x tp 2, FSDP2, checkpointing): one
-    forward and backward against the same model in one process."""
+def _lightning_free_step(chunk: int | None, flatten: bool, ring: int = 1) -> dict:
+    """The user guide's "Without Lightning" recipe on 4 ranks (a ``ParallelPlan``: sp 2 x tp 2, FSDP2,
+    checkpointing; or sp 4 = ring 2 x Ulysses 2 under DDP): one forward and backward against the same model in
+    one process."""
     import copy
 
     from helpers.hf_models import tiny_model
-    from lightning_longctx import shard_batch
     from lightning_longctx.integrations.transformers import context_of
-    from lightning_longctx.parallel.parallelize import parallelize
+    from lightning_longctx.parallel.plan import ParallelPlan
 
-    config = SequenceParallelConfig(
-        sequence_parallel_size=2,
-        tensor_parallel_size=2,
-        data_parallel="fsdp",
+    fsdp = ring == 1
+    settings = SequenceParallelConfig(
+        sequence_parallel_size=2 if fsdp else 4,
+        tensor_parallel_size=2 if fsdp else 1,
+        ring_size=ring,
+        data_parallel="fsdp" if fsdp else "ddp",
         fpdt_chunk_size=chunk,
         activation_checkpointing=True,
-    ).resolve(dist.get_world_size(), 0, "cpu")
+    )
+    config = settings.resolve(dist.get_world_size(), 0, "cpu")
     with process_groups() as own:  # the FSDP2 / TP model runs on the mesh's groups to the end
-        mesh = own(build_world_mesh(config.layout, "cpu", flatten=flatten))
+        plan = ParallelPlan(config, own(build_world_mesh(config.layout, "cpu", flatten=flatten)))
         model = tiny_model("llama")
         reference = copy.deepcopy(model)
         torch.manual_seed(1)
@@ -143,29 +146,57 @@ def _lightning_free_step(chunk: int | None, flatten: bool) -> dict:
         want = reference(**batch).loss
         want.backward()
 
-        undo = parallelize(model, mesh, config)
-        local = shard_batch(batch, group=mesh.sp_group, chunk_size=config.chunk_for(ids.shape[1]))
-        loss = model(**local).loss
-        # FSDP2 averages over the dp x sp replicas: x sp makes it the sum over sp
+        run = plan.parallelize(model, replicate=not fsdp)
+        loss = run(**plan.shard(batch)).loss
+        # FSDP2 / DDP average over the dp x sp replicas: x sp makes it the sum over sp
         (loss * config.sp).backward()
         errors = {}
         for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             errors[name] = ((grad - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-12)).item()
         patched = context_of(model) is not None
-        undo()
+        plan.undo()
         return {
             "loss": abs(loss.item() - want.item()),
             "errors": errors,
             "patched": patched,
+            "wrapped": type(run).__name__,
             "undone": context_of(model) is None and not model.model.gradient_checkpointing,
         }
 
 
-@pytest.mark.parametrize("chunk, flatten", [(None, True), (4, False)])
-def test_parallelize_without_lightning_matches_one_process(dist_pool, chunk, flatten):
-    for rank, got in enumerate(dist_pool(4).run(_lightning_free_step, chunk, flatten)):
+@pytest.mark.parametrize(
+    "chunk, flatten, ring", [(None, True, 1), (4, False, 1), (None, True, 2), (4, True, 2)]
+)
+def test_parallelize_without_lightning_matches_one_process(dist_pool, chunk, flatten, ring):
+    for rank, got in enumerate(dist_pool(4).run(_lightning_free_step, chunk, flatten, ring)):
         assert got["patched"] and got["undone"], got
+        assert got["wrapped"] == ("FSDPLlamaForCausalLM" if ring == 1 else "DistributedDataParallel"), got
         assert got["loss"] < 1e-5, (rank, got["loss"])
         bad = {name: err for name, err in got["errors"].items() if not err < 1e-5}
         assert not bad, (rank, bad)
+
+
+def _plan_refuses(case: str) -> str:
+    """A ``ParallelPlan``'s batch half on 2 ranks (sp 2) with a batch that differs across the ranks."""
+    from lightning_longctx.parallel.plan import ParallelPlan
+
+    config = SequenceParallelConfig(sequence_parallel_size=2).resolve(dist.get_world_size(), 0, "cpu")
+    with process_groups() as own:
+        plan = ParallelPlan(config, own(build_world_mesh(config.layout, "cpu")))
+        rank = dist.get_rank()
+        n = 16 if case == "samples" or rank == 0 else 20
+        ids = torch.full((1, n), rank if case == "samples" else 1)
+        try:
+            plan.shard({"input_ids": ids})
+        except RuntimeError as err:
+            return str(err)
+        return "sharded"
+
+
+@pytest.mark.parametrize("case", ["samples", "shapes"])
+def test_plan_refuses_a_batch_that_differs_across_ranks_on_every_rank(dist_pool, case):
+    """The first batch's check is one collective: every rank raises the same error (none waits forever)."""
+    got = dist_pool(2).run(_plan_refuses, case)
+    want = "received different samples" if case == "samples" else "shapes differ across ranks"
+    assert all(want in message for message in got), got

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -736,16 +735,13 @@ def test_lora_under_tensor_parallelism_counts_each_ranks_adapter_halves():
 
 
 def _frontier() -> Any:
-    """benchmarks/bench_frontier.py: the published points and our settings for them (one list, printed there)."""
+    """benchmarks/bench_frontier.py: the published points and our settings for them (one list, printed there);
+    its module level imports nothing of the benchmarks' harness."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_frontier", ROOT / "benchmarks" / "bench_frontier.py")
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # its `import common`
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    spec.loader.exec_module(module)
     return module
 
 
@@ -1303,11 +1299,11 @@ def test_ring_terms_are_the_hand_computed_formulas():
     """Llama-3-8B (h 32, h_kv 8, d 128), N = 1M, P = 8 as ring r = 2 x Ulysses U = 4, bf16 (e = 2), fp32
     accumulators: each rank holds N/r = 524,288 tokens and h/U = 8 heads, kv h_kv^U / U = 2 (8 kv heads divide
     over U = 4: no copies); one k/v block is 2 (N/r)(h_kv^U/U) d e = 512 MiB (usp.md §5)."""
-    from lightning_longctx.planner.plan import plan_layout
+    from lightning_longctx.planner.plan import plan_per_rank
     from lightning_longctx.planner.terms import _ring_backward_moment, _ring_forward_moment
 
     n_r, d, e = (1 << 20) // 2, 128, 2
-    lay = plan_layout(LLAMA3_8B, **RING_8B, ring_size=2)
+    lay = plan_per_rank(LLAMA3_8B, **RING_8B, ring_size=2)
     assert (lay.ring, lay.ulysses, lay.heads_per_rank, lay.kv_per_rank, lay.bn) == (2, 4, 8, 2, n_r)
     q, kv = n_r * 8 * d, n_r * 2 * d  # elements of q (and out), of k (and v) in head layout
     block = 2 * n_r * 2 * d * e
@@ -1342,14 +1338,14 @@ def test_ring_terms_are_the_hand_computed_formulas():
 
 def test_ring_replicates_kv_for_u_and_pads_to_2p():
     """GQA kv copies follow U, not P (spread_kv_heads over the Ulysses group); the sequence pads to 2P."""
-    from lightning_longctx.planner.plan import plan_layout
+    from lightning_longctx.planner.plan import plan_per_rank
 
     # 8 heads, 2 kv heads: Ulysses over P = 8 spreads kv to 8 heads; ring 2 x U 4 spreads it to 4
     gqa = {**TINY, "hidden_size": 128, "num_attention_heads": 8}
-    lay = plan_layout(gqa, seq_len=1001, sequence_parallel_size=8, ring_size=2)
+    lay = plan_per_rank(gqa, seq_len=1001, sequence_parallel_size=8, ring_size=2)
     assert (lay.ulysses, lay.kv_heads, lay.kv_per_rank, lay.heads_per_rank) == (4, 4, 1, 2)
     assert lay.padded == 1008 and lay.bn == 504  # a multiple of 2 x 8; N / r per ring rank
-    assert plan_layout(gqa, seq_len=1001, sequence_parallel_size=8).kv_heads == 8
+    assert plan_per_rank(gqa, seq_len=1001, sequence_parallel_size=8).kv_heads == 8
 
 
 def test_ring_auto_is_the_config_rule_and_the_refusals_name_the_rule():
@@ -1496,13 +1492,13 @@ def _ring_working_sets(heads: int, kv_heads: int, dtype: str) -> tuple[int, int]
 def test_ring_moments_are_what_ring_attention_allocates(dist_pool, heads, kv_heads, dtype):
     """The ring's forward and backward moments (buffers + working set) equal the live tensor bytes of a real
     ring attention at r = 2 (gloo; the fused CPU kernel, a chunk per call), MHA in fp32 and GQA in bf16."""
-    from lightning_longctx.planner.plan import plan_layout
+    from lightning_longctx.planner.plan import plan_per_rank
     from lightning_longctx.planner.terms import _ring_backward_moment, _ring_forward_moment
 
     config = {"model_type": "llama", "vocab_size": 64, "hidden_size": heads * 32, "intermediate_size": 64,
               "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads}  # fmt: skip
     precision = {"float32": "32-true", "bfloat16": "bf16-true"}[dtype]
-    lay = plan_layout(config, seq_len=4096, sequence_parallel_size=2, ring_size=2, precision=precision)
+    lay = plan_per_rank(config, seq_len=4096, sequence_parallel_size=2, ring_size=2, precision=precision)
     planned = (sum(_ring_forward_moment(lay)), sum(_ring_backward_moment(lay)))
     for measured in dist_pool(2).run(_ring_working_sets, heads, kv_heads, dtype):
         assert measured == planned
@@ -1520,7 +1516,7 @@ def test_fpdt_ring_terms_are_the_hand_computed_formulas():
     """h 4, h_kv 2, d 32, N = 4096, P = 4 as ring r = 2 x Ulysses U = 2, c = 256, fp32: K = 4 local segments
     of S = U c = 512 tokens with h/U = 2 heads (kv 1), N/r = 2048 tokens per ring rank; a k/v segment of 128 KiB,
     a block of 512 KiB, a 512 x 512 score tile."""
-    from lightning_longctx.planner.plan import plan_layout
+    from lightning_longctx.planner.plan import plan_per_rank
     from lightning_longctx.planner.terms import (
         _attention_store_bytes,
         _fpdt_ring_backward_moment,
@@ -1528,7 +1524,7 @@ def test_fpdt_ring_terms_are_the_hand_computed_formulas():
         _fpdt_score_tile_bytes,
     )
 
-    lay = plan_layout(FR_MODEL, **FR, sequence_parallel_size=4, ring_size=2)
+    lay = plan_per_rank(FR_MODEL, **FR, sequence_parallel_size=4, ring_size=2)
     assert (lay.ring, lay.ulysses, lay.chunk, lay.segment, lay.bn, lay.t) == (2, 2, 256, 512, 2048, 1024)
     assert (lay.heads_per_rank, lay.kv_per_rank, lay.tile, lay.segments) == (2, 1, 512, 16)
     q, kv, seg_q, seg_kv, e = 2048 * 2 * 32, 2048 * 32, 512 * 2 * 32, 512 * 32, 4
@@ -1547,7 +1543,7 @@ def test_fpdt_ring_terms_are_the_hand_computed_formulas():
     want = (block + 2 * dkv_seg + 2 * dkv_block, 0, work + dout_delta, 0)
     assert _fpdt_ring_backward_moment(lay) == want == (1835008, 0, 6836224, 0)
     # offload: the stores on the host, one k/v segment fetched back and one received on the device
-    off = plan_layout(FR_MODEL, **FR, sequence_parallel_size=4, ring_size=2, offload=True)
+    off = plan_per_rank(FR_MODEL, **FR, sequence_parallel_size=4, ring_size=2, offload=True)
     assert _fpdt_ring_forward_moment(off) == (2 * kv_seg, block - kv_seg, accs + unit + seg_q * e + tile)
     fetched = 3 * seg_q * e + 2 * seg_lse
     assert _fpdt_ring_backward_moment(off) == (
@@ -1557,7 +1553,7 @@ def test_fpdt_ring_terms_are_the_hand_computed_formulas():
         dout_delta,
     )
     # a ring of 4 (U = 1): the visiting store (the previous step's arriving one) beside the arriving one
-    r4 = plan_layout(FR_MODEL, **FR, sequence_parallel_size=4, ring_size=4)
+    r4 = plan_per_rank(FR_MODEL, **FR, sequence_parallel_size=4, ring_size=4)
     assert _fpdt_ring_forward_moment(r4)[0] == 2 * r4.ring_block_bytes
     # the plan: the rows, the store on the host with offload, the table's ring line
     plan, plan_off = (
@@ -1573,20 +1569,20 @@ def test_fpdt_ring_terms_are_the_hand_computed_formulas():
 def test_fpdt_ring_pads_to_2pc_and_caps_the_chunk_and_hybrids_count_their_segments():
     """FPDT x ring pads to 2 P c and caps c at N / 2P (``sharding.chunk_for``); a hybrid's recurrent scan runs
     over two zigzag halves per rank in Ulysses x ring and over the FPDT chunks in FPDT x ring."""
-    from lightning_longctx.planner.plan import plan_layout
+    from lightning_longctx.planner.plan import plan_per_rank
 
-    lay = plan_layout(
+    lay = plan_per_rank(
         FR_MODEL, seq_len=5000, sequence_parallel_size=4, ring_size=2, mode="fpdt", fpdt_chunk_size=256
     )
     assert lay.padded == 6144 and lay.chunk == 256  # a multiple of 2 x 4 x 256
-    short = plan_layout(
+    short = plan_per_rank(
         FR_MODEL, seq_len=1000, sequence_parallel_size=4, ring_size=2, mode="fpdt", fpdt_chunk_size=256
     )
     assert (
         short.chunk == 125 and short.padded == 1000 and short.segment == 250
     )  # c = N / 2P: two chunks per rank
-    uly = plan_layout(GDN_TINY, seq_len=4096, sequence_parallel_size=4, ring_size=2)
-    fpdt = plan_layout(GDN_TINY, seq_len=4096, sequence_parallel_size=4, ring_size=2, mode="fpdt",
+    uly = plan_per_rank(GDN_TINY, seq_len=4096, sequence_parallel_size=4, ring_size=2)
+    fpdt = plan_per_rank(GDN_TINY, seq_len=4096, sequence_parallel_size=4, ring_size=2, mode="fpdt",
                        fpdt_chunk_size=256)  # fmt: skip
     assert (uly.segments, fpdt.segments) == (8, 16)  # 2 per rank; 4 chunks of 256 per rank
     plain = plan_memory(GDN_TINY, seq_len=4096, sequence_parallel_size=4)
@@ -1635,7 +1631,7 @@ def test_fpdt_ring_moments_are_what_fpdt_ring_attention_allocates(dist_pool, hea
     all-to-all gives views: q (and without offload out and dout) are the caller's or the store's tensors, not
     copies. The forward peaks in the ring steps, or at the end (GQA with offload: the outputs and their
     concatenation beside the whole store)."""
-    from lightning_longctx.planner.plan import plan_layout
+    from lightning_longctx.planner.plan import plan_per_rank
     from lightning_longctx.planner.terms import (
         _attention_store_bytes,
         _fpdt_ring_backward_moment,
@@ -1644,7 +1640,7 @@ def test_fpdt_ring_moments_are_what_fpdt_ring_attention_allocates(dist_pool, hea
     )
 
     config = {**FR_MODEL, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
-    lay = plan_layout(config, **FR, sequence_parallel_size=2, ring_size=2, offload=offload)
+    lay = plan_per_rank(config, **FR, sequence_parallel_size=2, ring_size=2, offload=offload)
     tile, q_bytes = _fpdt_score_tile_bytes(lay), lay.q_elems * 4
     loop, end = _fpdt_ring_forward_moments(lay)
     views = 0 if offload else q_bytes  # U = 1 without offload: the store's q, the outputs' out are no copies
@@ -1657,3 +1653,23 @@ def test_fpdt_ring_moments_are_what_fpdt_ring_attention_allocates(dist_pool, hea
         assert kept == _attention_store_bytes(lay) + (q_bytes if offload else 0)  # and the returned output
         # the planner counts the output's gradient and its dout segments (views of it at U = 1 without offload)
         assert bwd + q_bytes * (1 if offload else 2) == backward
+
+
+def test_the_planner_takes_the_strings_and_reads_the_config_enums():
+    """``mode`` and ``data_parallel`` are taken as the strings or as the config's members, converted once:
+    what one rank holds carries the members, the plan (its JSON) the plain strings; both plan alike."""
+    from lightning_longctx.config import DataParallel, Mode
+    from lightning_longctx.planner.plan import plan_per_rank
+
+    kw = {"seq_len": 8192, "sequence_parallel_size": 2, "data_parallel_size": 2, "fpdt_chunk_size": 1024}
+    lay = plan_per_rank(TINY, mode="fpdt", data_parallel="fsdp", **kw)
+    assert lay.mode is Mode.FPDT and lay.data_parallel is DataParallel.FSDP and lay.shard == 4
+    as_strings = plan_memory(TINY, mode="fpdt", data_parallel="fsdp", **kw)
+    as_members = plan_memory(TINY, mode=Mode.FPDT, data_parallel=DataParallel.FSDP, **kw)
+    assert as_members.to_dict() == as_strings.to_dict() and as_members.table() == as_strings.table()
+    assert type(as_strings.mode) is str and type(as_strings.data_parallel) is str
+    assert (as_strings.mode, as_strings.data_parallel) == ("fpdt", "fsdp")
+    ddp = plan_per_rank(TINY, seq_len=8192, sequence_parallel_size=2)
+    assert ddp.mode is Mode.ULYSSES and ddp.data_parallel is DataParallel.DDP and ddp.shard == 1
+    with pytest.raises(ValueError, match="mode='chunked' is unknown"):
+        plan_memory(TINY, seq_len=8192, sequence_parallel_size=2, mode="chunked")

@@ -205,6 +205,13 @@ def test_broken_collective_is_refused(dist_pool):
         assert unchanged
 
 
+def test_probe_chunk_shorter_than_the_configured_one_passes(dist_pool):
+    """FPDT with a configured chunk longer than the probe's (64 against 8): the probe runs the model's own
+    attention rebound to the probe's chunk (the attention binds its layout at patch time), no false refusal."""
+    for message, _, _ in dist_pool(2).run(_fit, "llama", 2, {"fpdt_chunk_size": 64}):
+        assert message is None, message
+
+
 #: dynamic NTK RoPE past its 16 positions: the probe (32 tokens at world 4) makes it register a new ``inv_freq``
 #: and move ``max_seq_len_cached``, both of which must come back
 DYNAMIC_ROPE = {"max_position_embeddings": 16, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}

@@ -11,7 +11,6 @@ from lightning_longctx.planner import DeviceSpec, estimate_step_time
 from lightning_longctx.planner.devices import DEVICES, KernelRate, device_spec, load_spec, spec_from_dict
 from lightning_longctx.planner.flops import flops_per_token
 from lightning_longctx.planner.published import LLAMA3_8B, PUBLISHED_RUNS, flash_attention_check
-from lightning_longctx.planner.step_time import cpu_spec
 
 LLAMA = dict(LLAMA3_8B)
 SMALL = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 768,
@@ -156,7 +155,6 @@ def test_user_given_device(tmp_path):
     path.write_text(json.dumps(spec.to_dict()))
     again = load_spec(path)
     assert again == spec and isinstance(again, DeviceSpec)
-    assert cpu_spec(path) == spec  # an existing calibration file is read, not measured again
     with pytest.raises(ValueError, match="lacks"):
         spec_from_dict({"name": "x", "attention": {"k": {"forward": 1.0, "backward": 1.0}}})
 
@@ -186,7 +184,8 @@ def test_cli_plan_with_gpu(capsys):
 
 
 def test_cli_plan_with_a_measured_cpu(tmp_path, capsys):
-    """``--gpu cpu --device-spec FILE`` reads a stored calibration (written by calibrate_cpu when absent)."""
+    """``--gpu cpu --device-spec FILE`` reads a stored calibration; the planner measures nothing itself:
+    without the file it says how to write one (benchmarks/calibrate_step_time.py)."""
     from lightning_longctx.cli.plan import main
 
     spec = dataclasses.replace(device_spec("h100"), name="CPU (stored)", cores=2, overlap=False)
@@ -196,6 +195,31 @@ def test_cli_plan_with_a_measured_cpu(tmp_path, capsys):
         main(["--config", "examples/configs/demo_cpu.yaml", "--gpu", "cpu", "--device-spec", str(path)]) == 0
     )
     assert "step time on" in capsys.readouterr().out and "CPU (stored)" in path.read_text()
+    for missing in ([], ["--device-spec", str(tmp_path / "absent.json")]):
+        assert main(["--config", "examples/configs/demo_cpu.yaml", "--gpu", "cpu", *missing]) == 2
+        assert "benchmarks/calibrate_step_time.py --out FILE" in capsys.readouterr().err
+    assert not (tmp_path / "absent.json").exists()
+
+
+@pytest.mark.slow
+def test_the_calibration_benchmark_writes_a_spec_the_planner_reads(tmp_path):
+    """benchmarks/calibrate_step_time.py measures this machine (its own ranks: the planner launches none) and
+    writes a DeviceSpec that load_spec reads and the step-time model prices with."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "cpu.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/calibrate_step_time.py", "--out", str(path), "--seconds", "0.05"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    spec = load_spec(path)
+    assert spec.cores >= 1 and not spec.overlap and spec.intra_node_bandwidth > 0
+    est = estimate_step_time(SMALL, seq_len=2048, sequence_parallel_size=2, gpu=spec)
+    assert est.step_time_s > 0 and est.binding in ("compute", "communication", "host transfers", "optimizer")
 
 
 def test_bench_published_table():
@@ -249,7 +273,7 @@ def test_ring_communication_is_the_formula_and_hides_when_n_over_r_is_long():
     sends (r-1) k/v blocks forward and (r-1) k/v blocks plus r fp32 dk/dv blocks backward; a step's block hides
     behind the step's attention when N/r is long enough (N/r >= (h_kv/h) e F / B: U cancels); r = 1 is
     Ulysses' estimate."""
-    from lightning_longctx.planner.plan import plan_layout
+    from lightning_longctx.planner.plan import plan_per_rank
     from lightning_longctx.planner.step_time import ring_pass_bytes
 
     n, d, e, layers = 1 << 20, 128, 2, 32
@@ -263,7 +287,7 @@ def test_ring_communication_is_the_formula_and_hides_when_n_over_r_is_long():
     )
     block = 2 * (n // 2) * (8 // 4) * d * e  # 2 (N/r) (h_kv^U / U) d e: 512 MiB
     fwd, bwd = ring_pass_bytes(
-        plan_layout(LLAMA, ring_size=2, **{k: v for k, v in base.items() if "gpu" not in k})
+        plan_per_rank(LLAMA, ring_size=2, **{k: v for k, v in base.items() if "gpu" not in k})
     )
     assert (fwd, bwd) == (block, block + 2 * 2 * block)  # backward: + r fp32 dk/dv blocks (twice the bytes)
     assert parts["ring passes"].seconds == pytest.approx(layers * (fwd + bwd) / dev.inter_node_bandwidth)

@@ -20,6 +20,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 TOTAL_BUDGET=${TOTAL_BUDGET:-450}  # seconds for all stages together (the script must end < 8 min)
+# the package of this source tree, installed or not: the scripts and the tests import it
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PYTHONWARNINGS=ignore
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -19,9 +19,9 @@ all-to-alls are identities, the kernels and tiling are the ones used at any P):
   (989e12 for an H200; a GPU not in that table: its measured bf16 matmul).
 * ``fit`` (mode ``fpdt`` + ``offload``; ``--activation-offload``: checkpointing from the start with each
   layer's input in host memory): doubling search from ``--start``, one fresh process per length
-  (``common.launch``: an OOM of the GPU or of pinned host memory can't poison the next try), stopping
-  at the first failure, or when the next length's predicted time (4x the last: attention is quadratic)
-  exceeds what is left of ``--budget-s``. The peak GPU memory of the lengths that ran gives a linear
+  (``lightning_longctx.testing.launch``: an OOM of the GPU or of pinned host memory can't poison the next
+  try), stopping at the first failure, or when the next length's predicted time (4x the last: attention is
+  quadratic) exceeds what is left of ``--budget-s``. The peak GPU memory of the lengths that ran gives a linear
   estimate of the largest length that would fit (FPDT's memory is linear in N), labelled as an estimate.
   Each length also gets the memory planner's prediction (``plan_memory``: bf16 weights, AdamW, P = 1)
   and its error against ``max_memory_allocated`` (the planner counts DDP buckets, here the gradients:
@@ -66,15 +66,12 @@ import resource
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the package from the source tree; common.py
-
-from common import GIB, environment, free_port, launch, linear_fit, meminfo_bytes, write_json  # noqa: E402
+from lightning_longctx.testing import environment, free_port, launch, linear_fit, meminfo_bytes, write_json
+from lightning_longctx.testing.results import GIB
 
 SHAPE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
          "vocab_size")  # fmt: skip

@@ -12,26 +12,37 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import runpy
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the package from the source tree; common.py
-
-from common import environment  # noqa: E402
+#: the testing helper's ``environment()`` as a file, for when the package itself does not import
+RESULTS_PY = Path(__file__).resolve().parents[2] / "lightning_longctx" / "testing" / "results.py"
 
 
 def probe() -> dict[str, Any]:
-    """``common.environment()`` (versions, GPU) and whether the package imports."""
-    env = {**environment(), "executable": sys.executable}
+    """``environment()`` of ``lightning_longctx.testing`` (versions, GPU) and whether the package imports."""
     try:
         importlib.import_module("lightning_longctx")
-        env["lightning_longctx_import"] = "ok"
+        status = "ok"
     except Exception as e:
-        env["lightning_longctx_import"] = f"FAILED: {type(e).__name__}: {e}"
+        status = f"FAILED: {type(e).__name__}: {e}"
+    env = {**_environment(status == "ok")(), "executable": sys.executable}
+    env["lightning_longctx_import"] = status
     return env
+
+
+def _environment(package_imports: bool) -> Callable[[], dict[str, Any]]:
+    """The helper's ``environment``: from the package, or, when the package does not import (what the probe is
+    for), run from its file (it needs only the standard library and torch)."""
+    if package_imports:
+        from lightning_longctx.testing import environment
+
+        return environment
+    return runpy.run_path(str(RESULTS_PY))["environment"]
 
 
 def _load(path: Path) -> dict[str, Any] | None:

@@ -1,9 +1,11 @@
 """FPDT x ring: FPDT's chunked attention inside each ring rank, key/value segments passed around the ring
 (2-D sequence parallelism with FPDT's chunking and offload; ``shared/research/usp.md``).
 
-Layout (``shard_batch(..., chunk_size=c, ring=r)``, ``sharding.py``): the global sequence of N tokens is cut
-into ``2r`` zigzag chunks; ring rank j owns chunks j and ``2r-1-j`` (``N/r`` tokens, in that order), cut into
-``K`` segments of ``S = U*c`` tokens; sp rank ``(j, u)`` holds chunk u of each segment, ``(b, K*c, ...)``.
+Layout (``shard_batch(..., chunk_size=c, ring=r)``: ``SequenceLayout(sp=P, ring=r, chunk_size=c)`` of
+``parallel/layout.py``, whose ring view is ring attention's :class:`~.ring.RingLayout`): the global sequence of
+N tokens is cut into ``2r`` zigzag chunks; ring rank j owns chunks j and ``2r-1-j`` (``N/r`` tokens, in that
+order), cut into ``K`` segments of ``S = U*c`` tokens; sp rank ``(j, u)`` holds chunk u of each segment,
+``(b, K*c, ...)``.
 ``N % (2*P*c) == 0``: each segment is a run of S consecutive global tokens (global segment ``g``, ``G = r*K``
 of them), so FPDT's :class:`~.fpdt.BlockPlan` over the G global segments says which (q segment, kv segment)
 pairs carry an allowed pair (causal, sliding window, packed documents) and gives their kernel calls.
@@ -29,6 +31,7 @@ and ``r`` fp32 dk/dv blocks backward), a block being the K segments of one ring 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +54,7 @@ from lightning_longctx.attention.fpdt import (
 )
 from lightning_longctx.attention.kernels import merge_sinks, sink_grad
 from lightning_longctx.attention.offload import ChunkStore
-from lightning_longctx.attention.ring import RingLayout, _check_call
+from lightning_longctx.attention.ring import _check_call
 from lightning_longctx.parallel.comm import (
     Group,
     PendingAllToAll,
@@ -63,6 +66,7 @@ from lightning_longctx.parallel.comm import (
     seq_to_head_async,
     seq_to_head_packed_async,
 )
+from lightning_longctx.parallel.layout import RingLayout
 
 _KV_TAG, _DKV_TAG = 0, 1
 
@@ -73,6 +77,7 @@ class _Call:
 
     ulysses_group: Group
     ring_group: Group
+    layout: RingLayout  # the ring's zigzag over the whole sequence
     chunk: int  # c: tokens per local chunk
     segments: int  # K: local chunks (segments of the ring rank)
     ring_rank: int  # j
@@ -83,14 +88,21 @@ class _Call:
 
     @property
     def ring(self) -> int:
-        return self.plan.num_segments // self.segments
+        return self.layout.ring_size
+
+    @functools.cached_property
+    def _global_segments(self) -> tuple[tuple[int, ...], ...]:
+        """Per ring rank, the global segment of each of its K segments: the first K/2 lie in its first zigzag
+        chunk, the others in its second (``layout.chunks``)."""
+        half = self.segments // 2
+        return tuple(
+            tuple(self.layout.chunks(j)[i // half] * half + i % half for i in range(self.segments))
+            for j in range(self.ring)
+        )
 
     def global_segment(self, ring_rank: int, i: int) -> int:
-        """Global segment of ring rank ``ring_rank``'s segment ``i`` (zigzag: its first K/2 segments lie in
-        chunk ``ring_rank``, the others in chunk ``2r-1-ring_rank``)."""
-        half = self.segments // 2
-        chunk = ring_rank if i < half else 2 * self.ring - 1 - ring_rank
-        return chunk * half + i % half
+        """Global segment of ring rank ``ring_rank``'s segment ``i``."""
+        return self._global_segments[ring_rank][i]
 
     def pairs(self, src: int, s: int) -> list[tuple[int, int, int]]:
         """``(local q segment i, its global segment, the visiting global segment)`` of every live pair of
@@ -344,8 +356,8 @@ def fpdt_ring_attention(
         docs=documents, kernel=kernel, bias_kernel=bias_kernel,
     )  # fmt: skip
     call = _Call(
-        ulysses_group, ring_group, chunk_size, segments, ring_rank, plan, default_scale(d, softmax_scale),
-        softcap, offload,
+        ulysses_group, ring_group, layout, chunk_size, segments, ring_rank, plan,
+        default_scale(d, softmax_scale), softcap, offload,
     )  # fmt: skip
     my_sinks = None if sinks is None else sinks[local_heads(h, ulysses_group)]
     return _FPDTRingAttention.apply(q, k, v, my_sinks, call)

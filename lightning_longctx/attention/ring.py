@@ -1,10 +1,11 @@
 """Ring attention: exact attention over a sequence spread over a ring of r ranks, key/value blocks passed
 between neighbours (the outer axis of 2-D sequence parallelism; ``shared/research/usp.md`` §2-§4).
 
-Layout (:class:`RingLayout`): the global sequence of N tokens is cut into chunks. ``"zigzag"``: 2r chunks
-of N/(2r) tokens, ring rank j holds chunk j then chunk 2r-1-j (every rank gets the same causal work);
-``"contiguous"``: r chunks, rank j holds tokens ``[jN/r, (j+1)N/r)``. A rank's q, k, v are its chunks
-concatenated in that order, ``(b, N/r, heads, d)``.
+Layout (:class:`RingLayout`, defined with the other layouts in ``parallel/layout.py`` and re-exported here;
+under 2-D sequence parallelism ``SequenceLayout.ring_view``): the global sequence of N tokens is cut into
+chunks. ``"zigzag"``: 2r chunks of N/(2r) tokens, ring rank j holds chunk j then chunk 2r-1-j (every rank gets
+the same causal work); ``"contiguous"``: r chunks, rank j holds tokens ``[jN/r, (j+1)N/r)``. A rank's q, k, v
+are its chunks concatenated in that order, ``(b, N/r, heads, d)``.
 
 Forward (r steps): at step t rank j holds the k/v of ring rank ``(j - t) mod r``; the next block's
 send/receive (``comm.ring_pass_async``) is started before the current block computes and waited after (a
@@ -33,7 +34,7 @@ the elements of one k/v block (at kv-head size: GQA k/v are never expanded befor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -57,124 +58,11 @@ from lightning_longctx.parallel.comm import (
     ring_pass_async,
     seq_to_head_packed,
 )
+from lightning_longctx.parallel.layout import RING_LAYOUTS, RingLayout
 
-#: The layouts of a ring: "zigzag" (chunks j and 2r-1-j, causal balance) and "contiguous".
-RING_LAYOUTS = ("zigzag", "contiguous")
+__all__ = ["RING_LAYOUTS", "RingLayout", "ring_attention", "ring_work", "usp_attention"]
 
 _KV_TAG, _DKV_TAG = 0, 1  # k/v and the dk/dv behind them travel between the same ranks at once
-
-
-@dataclass(frozen=True, kw_only=True)
-class RingLayout:
-    """Which global tokens each rank of a ring of ``ring_size`` ranks holds, for a sequence of ``seq_len``.
-
-    ``kind="zigzag"``: ``2 * ring_size`` chunks of ``seq_len / (2 * ring_size)`` tokens, rank j holds chunk
-    j then chunk ``2r-1-j`` (causal work is the same on every rank); ``"contiguous"``: ``ring_size`` chunks,
-    rank j holds chunk j. A rank's local tensors are its chunks concatenated in that order:
-    ``(b, seq_len / ring_size, ...)``."""
-
-    ring_size: int
-    seq_len: int
-    kind: Literal["zigzag", "contiguous"] = "zigzag"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.ring_size, int) or self.ring_size < 1:
-            raise ValueError(f"ring_size must be a positive number of ranks, got {self.ring_size!r}")
-        if not isinstance(self.seq_len, int) or self.seq_len < 1:
-            raise ValueError(f"seq_len must be a positive number of tokens, got {self.seq_len!r}")
-        if self.kind not in RING_LAYOUTS:
-            raise ValueError(f"ring layout kind {self.kind!r} is unknown; choose one of {list(RING_LAYOUTS)}")
-        if self.seq_len % self.num_chunks:
-            rule = "2 x ring_size" if self.kind == "zigzag" else "ring_size"
-            raise ValueError(
-                f"seq_len {self.seq_len} is not divisible by {rule} = {self.num_chunks} (the {self.kind} layout "
-                f"cuts the sequence into {self.num_chunks} equal chunks); pad the sequence to a multiple of "
-                f"{self.num_chunks}"
-            )
-
-    @property
-    def num_chunks(self) -> int:
-        """Chunks the sequence is cut into: ``2r`` (zigzag) or ``r`` (contiguous)."""
-        return 2 * self.ring_size if self.kind == "zigzag" else self.ring_size
-
-    @property
-    def chunk_len(self) -> int:
-        """Tokens per chunk."""
-        return self.seq_len // self.num_chunks
-
-    @property
-    def local_len(self) -> int:
-        """Tokens per rank, ``seq_len / ring_size``."""
-        return self.seq_len // self.ring_size
-
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.ring_size:
-            raise ValueError(
-                f"ring rank {rank} is outside the ring of {self.ring_size} ranks [0, {self.ring_size})"
-            )
-
-    def chunks(self, rank: int) -> tuple[int, ...]:
-        """Global chunk indices that ``rank`` holds, in local order."""
-        self._check_rank(rank)
-        return (rank, 2 * self.ring_size - 1 - rank) if self.kind == "zigzag" else (rank,)
-
-    def runs(self, rank: int) -> tuple[tuple[int, int], ...]:
-        """``(start, length)`` of each run of consecutive global tokens ``rank`` holds, in local order; chunks
-        that follow each other in the sequence form one run (zigzag rank r-1 holds chunks r-1 and r)."""
-        c = self.chunk_len
-        runs: list[tuple[int, int]] = []
-        for chunk in self.chunks(rank):
-            if runs and runs[-1][0] + runs[-1][1] == chunk * c:
-                runs[-1] = (runs[-1][0], runs[-1][1] + c)
-            else:
-                runs.append((chunk * c, c))
-        return tuple(runs)
-
-    def global_index(self, rank: int, device: torch.device | None = None) -> torch.Tensor:
-        """``(seq_len / ring_size,)`` global token index of each of ``rank``'s local tokens."""
-        return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.runs(rank)])
-
-    def _check_length(self, x: torch.Tensor, dim: int, what: str) -> int:
-        dim = dim % x.dim()
-        if x.shape[dim] != self.seq_len:
-            raise ValueError(
-                f"{what}: dim {dim} of shape {tuple(x.shape)} has {x.shape[dim]} tokens, the layout's seq_len is "
-                f"{self.seq_len}; pass the whole sequence along dim {dim} (or the right dim=)"
-            )
-        return dim
-
-    def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
-        """``rank``'s part of ``x`` (``seq_len`` tokens along ``dim``, global order), in local order:
-        ``seq_len / ring_size`` tokens along ``dim``."""
-        dim = self._check_length(x, dim, "shard")
-        return torch.cat([x.narrow(dim, s, n) for s, n in self.runs(rank)], dim=dim)
-
-    def sp_shard(
-        self, x: torch.Tensor, ring_rank: int, ulysses_rank: int, ulysses: int, dim: int = 1
-    ) -> torch.Tensor:
-        """Sp rank ``(j, u)``'s part of ``x`` under 2-D sequence parallelism (:func:`usp_attention`): piece u of
-        ``ulysses`` equal pieces of ring rank j's tokens, ``seq_len / (ring_size * ulysses)`` along ``dim``;
-        the Ulysses all-to-all concatenates the pieces in u order, so ring rank j then holds exactly
-        :meth:`shard`'s tokens (for zigzag: its two chunks, no reordering)."""
-        part = self.shard(x, ring_rank, dim)
-        dim = dim % x.dim()
-        if not 0 <= ulysses_rank < ulysses or part.shape[dim] % ulysses:
-            raise ValueError(
-                f"ulysses rank {ulysses_rank} of {ulysses}: a ring rank's {part.shape[dim]} tokens must split into "
-                f"{ulysses} equal pieces; make seq_len a multiple of ring_size x ulysses (x 2 for zigzag)"
-            )
-        return part.chunk(ulysses, dim=dim)[ulysses_rank]
-
-    def unshard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """Inverse of :meth:`shard`: ``x`` holds every rank's local part concatenated in rank order along
-        ``dim`` (what an all-gather gives); returns the ``seq_len`` tokens in global order."""
-        dim = self._check_length(x, dim, "unshard")
-        c = self.chunk_len
-        by_chunk: dict[int, torch.Tensor] = {}
-        for rank, part in enumerate(x.split(self.local_len, dim=dim)):
-            for chunk, piece in zip(self.chunks(rank), part.split(c, dim=dim)):
-                by_chunk[chunk] = piece
-        return torch.cat([by_chunk[i] for i in range(self.num_chunks)], dim=dim)
 
 
 @dataclass(frozen=True)

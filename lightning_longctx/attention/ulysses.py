@@ -16,6 +16,8 @@ all-to-all, and FPDT's blocks, whose masks and score tiles are at most ``(1024, 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from lightning_longctx.attention.common import (
@@ -29,7 +31,7 @@ from lightning_longctx.attention.common import (
     spread_kv_heads,
 )
 from lightning_longctx.attention.fpdt import fpdt_attention
-from lightning_longctx.attention.kernels import KERNELS, resolve_backend
+from lightning_longctx.attention.kernels import KERNELS, Kernel, resolve_backend
 from lightning_longctx.parallel.comm import (
     Group,
     all_gather_no_grad,
@@ -37,6 +39,77 @@ from lightning_longctx.parallel.comm import (
     head_to_seq,
     seq_to_head_packed,
 )
+
+
+class UlyssesCall(NamedTuple):
+    """What one Ulysses call runs, settled before any all-to-all (:func:`prepare_ulysses`)."""
+
+    kernel: Kernel  # the local kernel of the all-to-all path
+    documents: torch.Tensor | None  # (b, N) document ids in global order; None: one document per row
+    on_blocks: bool  # run as FPDT with one chunk per rank instead (module doc)
+
+
+def prepare_ulysses(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: Group,
+    position_ids: torch.Tensor | None,
+    documents: torch.Tensor | None,
+    backend: str,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> UlyssesCall:
+    """The checks of a :func:`ulysses_attention` call, its kernel and documents (one all-gather of
+    ``position_ids`` without ``documents``), and whether it runs on FPDT's blocks: with ``backend="auto"`` and
+    no flash-attn, a call that SDPA could run only with a dense ``(N, N)`` mask (packed documents, a sliding
+    window) or that needs the math kernel's full scores (soft-cap, sinks). Arguments as
+    :func:`ulysses_attention`'s."""
+    check_qkv(q, k, v)
+    check_softcap(softcap)
+    check_sinks(sinks, q)
+    _, world = group_rank_size(group)
+    kernel = resolve_backend(backend, softcap=softcap, sinks=sinks is not None)
+    b, local = q.shape[:2]
+    docs = documents_of(
+        position_ids,
+        documents,
+        shape=(b, local * world),
+        gather=lambda p: all_gather_no_grad(p, group, dim=1),
+    )  # (b, N), rank order = sequence order
+    dense = docs is not None or sliding_window is not None or softcap or sinks is not None
+    # the same on every rank (global docs)
+    return UlyssesCall(kernel, docs, bool(backend == "auto" and kernel is not KERNELS["flash"] and dense))
+
+
+def ulysses_all_to_all(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    call: UlyssesCall,
+    *,
+    group: Group,
+    causal: bool,
+    softmax_scale: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Ulysses' own path for a call :func:`prepare_ulysses` settled: one all-to-all of q, k, v to
+    ``(b, s, h/P, d)``, ``call.kernel`` over the whole sequence, one all-to-all back to ``(b, s/P, h, d)``."""
+    _, world = group_rank_size(group)
+    mask = MaskSpec(causal=causal, sliding_window=sliding_window, q_doc=call.documents, k_doc=call.documents)
+    h = q.shape[2]
+    k, v = spread_kv_heads(k, v, h, world)
+    # ONE all-to-all for q, k and v: (b, s, h_r, d) each, all tokens, my heads
+    q_h, k_h, v_h = seq_to_head_packed(q, k, v, group=group)
+    extra = {} if sinks is None else {"sinks": sinks[local_heads(h, group)]}  # (h_r,): my heads' sinks
+    out_h, _ = call.kernel.fn(
+        q_h, k_h, v_h, scale=default_scale(q.shape[-1], softmax_scale), mask=mask, softcap=softcap, **extra
+    )
+    return head_to_seq(out_h, h, group)  # (b, s/P, h, d)
 
 
 def ulysses_attention(
@@ -78,29 +151,16 @@ def ulysses_attention(
     Returns:
         ``(b, s/P, h, d)``, equal to full attention over the gathered sequence.
     """
-    check_qkv(q, k, v)
-    check_softcap(softcap)
-    check_sinks(sinks, q)
-    _, world = group_rank_size(group)
-    kernel = resolve_backend(backend, softcap=softcap, sinks=sinks is not None)
-    b, local = q.shape[:2]
-    docs = documents_of(
-        position_ids,
-        documents,
-        shape=(b, local * world),
-        gather=lambda p: all_gather_no_grad(p, group, dim=1),
-    )  # (b, N), rank order = sequence order
-    mask = MaskSpec(causal=causal, sliding_window=sliding_window, q_doc=docs, k_doc=docs)
-    dense = docs is not None or sliding_window is not None or softcap or sinks is not None
-    if backend == "auto" and kernel is not KERNELS["flash"] and dense:  # the same on every rank (global docs)
-        return fpdt_attention(q, k, v, group=group, chunk_size=local, causal=causal, softmax_scale=softmax_scale,
-                              documents=docs, sliding_window=sliding_window, softcap=softcap, sinks=sinks)  # fmt: skip
-    h = q.shape[2]
-    k, v = spread_kv_heads(k, v, h, world)
-    # ONE all-to-all for q, k and v: (b, s, h_r, d) each, all tokens, my heads
-    q_h, k_h, v_h = seq_to_head_packed(q, k, v, group=group)
-    extra = {} if sinks is None else {"sinks": sinks[local_heads(h, group)]}  # (h_r,): my heads' sinks
-    out_h, _ = kernel.fn(
-        q_h, k_h, v_h, scale=default_scale(q.shape[-1], softmax_scale), mask=mask, softcap=softcap, **extra
+    call = prepare_ulysses(
+        q, k, v, group=group, position_ids=position_ids, documents=documents, backend=backend,
+        sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+    )  # fmt: skip
+    features = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+    if call.on_blocks:  # FPDT's blocks, one chunk per rank: no (N, N) mask (module doc)
+        return fpdt_attention(
+            q, k, v, group=group, chunk_size=q.shape[1], causal=causal, softmax_scale=softmax_scale,
+            documents=call.documents, **features,
+        )  # fmt: skip
+    return ulysses_all_to_all(
+        q, k, v, call, group=group, causal=causal, softmax_scale=softmax_scale, **features
     )
-    return head_to_seq(out_h, h, group)  # (b, s/P, h, d)

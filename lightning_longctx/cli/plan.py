@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_longctx.config import SequenceParallelConfig
+from lightning_longctx.config import Mode, SequenceParallelConfig
 from lightning_longctx.integrations.hf_config import build_config
 from lightning_longctx.planner import (
     MemoryPlan,
@@ -195,9 +195,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=None, help="plan LoRA adapters of this rank on every linear layer of the blocks (frozen base weights)")  # fmt: skip
     p.add_argument("--ring-size", type=ring_size_arg, default=None, help="Ulysses x ring: r ranks in the ring, sp / r in each all-to-all (an int, or auto: the smallest r whose Ulysses degree fits the heads per tp rank); default: the strategy's ring_size")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
-    p.add_argument("--gpu", default=None, help="also estimate the step time, tokens/s and MFU on this device kind: a100-40gb, a100-80gb, h100, h200, b200, or cpu (measured here by a short calibration)")  # fmt: skip
+    p.add_argument("--gpu", default=None, help="also estimate the step time, tokens/s and MFU on this device kind: a100-40gb, a100-80gb, h100, h200, b200, or cpu (this machine's rates, measured by benchmarks/calibrate_step_time.py, read from --device-spec)")  # fmt: skip
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node for the step-time estimate's links (default: trainer.devices)")  # fmt: skip
-    p.add_argument("--device-spec", default=None, help="JSON of a user-given device's rates (DeviceSpec fields; \"base\": \"h100\" to override a known kind); with --gpu cpu: the calibration file, written when absent")  # fmt: skip
+    p.add_argument("--device-spec", default=None, help="JSON of a user-given device's rates (DeviceSpec fields; \"base\": \"h100\" to override a known kind); with --gpu cpu: the calibration file benchmarks/calibrate_step_time.py wrote")  # fmt: skip
     p.add_argument("--attention-kernel", default=None, help="attention kernel of the device's table for the estimate (fa2, fa3, cudnn; default: what this package runs there)")  # fmt: skip
     p.add_argument("--document-length", type=int, default=None, help="tokens per packed document for the estimate (attention never crosses one)")  # fmt: skip
     return p
@@ -208,14 +208,15 @@ def _step_time(args: argparse.Namespace, model: Any, kwargs: dict[str, Any], max
     if args.gpu is None and args.device_spec is None:
         return None
     from lightning_longctx.planner.devices import load_spec
-    from lightning_longctx.planner.step_time import cpu_spec, estimate_step_time
+    from lightning_longctx.planner.step_time import estimate_step_time
 
-    if str(args.gpu).lower() == "cpu":
-        gpu: Any = cpu_spec(args.device_spec)
-    elif args.device_spec is not None:
-        gpu = load_spec(args.device_spec)
-    else:
-        gpu = args.gpu
+    if str(args.gpu).lower() == "cpu" and (args.device_spec is None or not Path(args.device_spec).is_file()):
+        given = "" if args.device_spec is None else f" ({args.device_spec}: no such file)"
+        raise ValueError(
+            f"--gpu cpu reads this machine's measured rates from --device-spec FILE{given}; measure them "
+            "once with `python benchmarks/calibrate_step_time.py --out FILE` (in a checkout of the repository)"
+        )
+    gpu: Any = args.gpu if args.device_spec is None else load_spec(args.device_spec)
     steps = int(max_steps) if isinstance(max_steps, int) and max_steps > 0 else None
     return estimate_step_time(
         model, gpu=gpu, gpus_per_node=args.gpus_per_node, attention_kernel=args.attention_kernel,
@@ -318,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for note in notes:
         print(f"note: {note}")
     if longest is not None:
-        step = "P x chunk" if kwargs["mode"] == "fpdt" else "P x 1024"
+        step = "P x chunk" if kwargs["mode"] == Mode.FPDT else "P x 1024"
         within = f"{format_bytes(memory)} per device" + (
             f" and {format_bytes(plan.host_memory)} per host" if plan.host_memory is not None else ""
         )

@@ -375,6 +375,51 @@ class ArrowPackedDataset(Dataset):
         }
 
 
+def _check_settings(
+    *,
+    dataset: str,
+    tokenizer: str | None,
+    seq_len: int,
+    data_files: str | list[str] | dict[str, str | list[str]] | None,
+    packing: str,
+    val_split: str | None,
+    val_fraction: float,
+    min_doc_tokens: int,
+    vocab_size: int | None,
+    tokenize_batch_size: int,
+) -> None:
+    """Refuse, naming the fix, the :class:`HFDatasetDataModule` arguments that cannot work together."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be >= 1.")
+    if packing not in PACKINGS:
+        raise ValueError(f"packing={packing!r} is not one of {PACKINGS}.")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction={val_fraction} must be in [0, 1).")
+    if val_split is not None and val_fraction > 0:
+        raise ValueError(
+            f"val_split={val_split!r} and val_fraction={val_fraction} both ask for validation data; pass one."
+        )
+    if min_doc_tokens < 0:
+        raise ValueError(f"min_doc_tokens={min_doc_tokens} must be >= 0.")
+    if tokenizer is None and vocab_size is None:
+        raise ValueError(
+            "tokenizer=None needs vocab_size: without a tokenizer only a pre-tokenized `input_ids` column can "
+            "be read, and the model's vocabulary must be known; pass vocab_size=... or a tokenizer directory."
+        )
+    if tokenizer is not None and vocab_size is not None:
+        raise ValueError(
+            f"vocab_size={vocab_size} is for pre-tokenized data without a tokenizer; with tokenizer={tokenizer!r} "
+            "the vocabulary is the tokenizer's. Pass one of them."
+        )
+    if dataset in FILE_BUILDERS and not data_files:
+        raise ValueError(
+            f"dataset={dataset!r} reads local files: pass data_files (a path, a list of paths or "
+            "{split: paths})."
+        )
+    if tokenize_batch_size < 1:
+        raise ValueError(f"tokenize_batch_size={tokenize_batch_size} must be >= 1.")
+
+
 class HFDatasetDataModule(PackedDataModule):
     """A Hugging Face ``datasets`` corpus, tokenized once into the datasets cache and packed into ``seq_len``
     rows read memory-mapped: the datamodule for corpora larger than host memory.
@@ -452,35 +497,18 @@ class HFDatasetDataModule(PackedDataModule):
         super().__init__()
         _datasets()  # a missing optional dependency fails here, before any step, with the install line
         self.save_hyperparameters()
-        if seq_len < 1:
-            raise ValueError(f"seq_len={seq_len} must be >= 1.")
-        if packing not in PACKINGS:
-            raise ValueError(f"packing={packing!r} is not one of {PACKINGS}.")
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction={val_fraction} must be in [0, 1).")
-        if val_split is not None and val_fraction > 0:
-            raise ValueError(
-                f"val_split={val_split!r} and val_fraction={val_fraction} both ask for validation data; pass one."
-            )
-        if min_doc_tokens < 0:
-            raise ValueError(f"min_doc_tokens={min_doc_tokens} must be >= 0.")
-        if tokenizer is None and vocab_size is None:
-            raise ValueError(
-                "tokenizer=None needs vocab_size: without a tokenizer only a pre-tokenized `input_ids` column can "
-                "be read, and the model's vocabulary must be known; pass vocab_size=... or a tokenizer directory."
-            )
-        if tokenizer is not None and vocab_size is not None:
-            raise ValueError(
-                f"vocab_size={vocab_size} is for pre-tokenized data without a tokenizer; with tokenizer={tokenizer!r} "
-                "the vocabulary is the tokenizer's. Pass one of them."
-            )
-        if dataset in FILE_BUILDERS and not data_files:
-            raise ValueError(
-                f"dataset={dataset!r} reads local files: pass data_files (a path, a list of paths or "
-                "{split: paths})."
-            )
-        if tokenize_batch_size < 1:
-            raise ValueError(f"tokenize_batch_size={tokenize_batch_size} must be >= 1.")
+        _check_settings(
+            dataset=dataset,
+            tokenizer=tokenizer,
+            seq_len=seq_len,
+            data_files=data_files,
+            packing=packing,
+            val_split=val_split,
+            val_fraction=val_fraction,
+            min_doc_tokens=min_doc_tokens,
+            vocab_size=vocab_size,
+            tokenize_batch_size=tokenize_batch_size,
+        )
         self.dataset = dataset
         self.tokenizer_path = tokenizer
         self.seq_len = seq_len

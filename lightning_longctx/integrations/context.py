@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_longctx.parallel.comm import Group, all_reduce_no_grad, group_rank_size
-from lightning_longctx.parallel.sharding import document_ids, gather_sequence, global_index, local_chunk
+from lightning_longctx.parallel.layout import SequenceLayout
+from lightning_longctx.parallel.sharding import document_ids
 
 if TYPE_CHECKING:
+    from lightning_longctx.attention.dispatch import Attend
     from lightning_longctx.config import ResolvedConfig
     from lightning_longctx.integrations.lm_head import ChunkedHead
     from lightning_longctx.integrations.moe import MoEAuxLossPlan
@@ -78,9 +80,11 @@ class SequenceParallelContext:
     """Settings of one patched model, what ``disable_sequence_parallel`` restores, and the counters
     the strategy's guardrails read.
 
-    ``config`` is the resolved configuration (``config.py``): the mode, the FPDT chunk (tokens per rank;
-    a call whose local sequence is shorter uses one chunk of its length, ``sharding.local_chunk``), the
-    offload switch, the kernel backend, the loss chunk. ``positions`` are the current batch's
+    ``config`` is the resolved configuration (``config.py``): the mode, the sequence layout
+    (``config.sequence_layout``: the FPDT chunk per rank, a call whose local sequence is shorter uses one chunk
+    of its length, ``SequenceLayout.local_chunk``; the ring), the offload switch, the kernel backend, the loss
+    chunk. ``attend`` is the model's attention, chosen for that layout when the model was patched
+    (``attention/dispatch.py``). ``positions`` are the current batch's
     (:class:`BatchPositions`: its documents, computed once per batch). ``call_position_ids`` are the GLOBAL
     ``position_ids`` of the forward call in progress (set and cleared by hooks on the model; the mask
     function copies them into the ``MaskPattern`` it returns, for models that do not pass them on to
@@ -111,6 +115,7 @@ class SequenceParallelContext:
     # Ulysses x ring (``ring_size > 1``): the two parts of ``group`` (``mesh.WorldMesh``); None otherwise
     ring_group: Group = None
     ulysses_group: Group = None
+    attend: Attend | None = None  # the layout's attention, its groups and kernel settings bound
     # inside ``sequence_parallel_off``: the model computes as unpatched; the positions hooks do nothing
     off: bool = False
 
@@ -130,9 +135,14 @@ class SequenceParallelContext:
         )
 
     @property
+    def layout(self) -> SequenceLayout:
+        """The sequence layout ``shard_batch`` cut the batch in (``config.sequence_layout``)."""
+        return self.config.sequence_layout
+
+    @property
     def ring(self) -> int:
-        """The ring's degree (``ring_size``; 1: Ulysses or FPDT alone): the layout ``shard_batch`` used."""
-        return self.config.layout.ring
+        """The ring's degree (``ring_size``; 1: Ulysses or FPDT alone)."""
+        return self.layout.ring
 
     @property
     def sp_size(self) -> int:
@@ -141,12 +151,11 @@ class SequenceParallelContext:
     @property
     def chunk_size(self) -> int | None:
         """The configured FPDT chunk (tokens per rank), ``None`` under Ulysses."""
-        return self.config.settings.fpdt_chunk_size
+        return self.layout.chunk_size
 
     def local_chunk(self, local_len: int) -> int | None:
         """The FPDT chunk of a call whose shard holds ``local_len`` tokens (``None`` under Ulysses)."""
-        c = self.chunk_size
-        return None if c is None else local_chunk(c, local_len, self.ring)
+        return self.layout.local_chunk(local_len)
 
     def documents_for(self, position_ids: torch.Tensor | None) -> tuple[bool, torch.Tensor | None]:
         """``(known, documents)`` for attention's ``position_ids``: the batch's document ids when they are
@@ -162,12 +171,7 @@ class SequenceParallelContext:
         if self.positions is not None and self.positions.describes(position_ids):
             return
         local = position_ids.shape[-1]
-        full = gather_sequence(
-            position_ids.reshape(-1, local),
-            group=self.group,
-            chunk_size=self.local_chunk(local),
-            ring=self.ring,
-        )
+        full = self.layout.for_local(local).gather(position_ids.reshape(-1, local), self.group)
         self.positions = BatchPositions(local=position_ids, full=full)
 
     def sequence_length(self, position_ids: torch.Tensor) -> torch.Tensor:
@@ -182,7 +186,5 @@ class SequenceParallelContext:
 
     def global_index(self, local_len: int, device: torch.device) -> torch.Tensor:
         """``(local_len,)`` global token index of each local token in this rank's layout (``shard_batch``'s)."""
-        rank, world = group_rank_size(self.group)
-        return global_index(
-            local_len, rank=rank, world=world, chunk_size=self.chunk_size, ring=self.ring, device=device
-        )
+        rank, _ = group_rank_size(self.group)
+        return self.layout.for_local(local_len).global_index(local_len, rank, device)

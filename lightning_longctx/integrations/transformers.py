@@ -3,7 +3,9 @@
 Mechanism: transformers' ``AttentionInterface``. We register one attention function per patched
 model under a fresh key and point the model's config at it. The function receives q ``(b, H, s, d)``
 and k/v ``(b, H_kv, s, d)`` already rotated with the GLOBAL ``position_ids`` that ``shard_batch``
-produced and returns ``(out (b, s, H, d), None)``.
+produced and returns ``(out (b, s, H, d), None)``. It settles what the model asks for (mask, window, documents,
+soft-cap, sinks) and hands q, k, v to the context's ``attend``: the attention of the configured sequence layout
+(Ulysses, FPDT, Ulysses x ring, FPDT x ring), chosen once when the model is patched (``attention/dispatch.py``).
 
 Masks. Some models say what they attend to only through the mask they build (a sliding window chosen
 from ``config.sliding_window``, Llama-4's chunked attention, a ``config.layer_types`` mix), so the key
@@ -35,10 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_longctx.attention.fpdt import fpdt_attention
-from lightning_longctx.attention.fpdt_ring import fpdt_ring_attention
-from lightning_longctx.attention.ring import RingLayout, usp_attention
-from lightning_longctx.attention.ulysses import ulysses_attention
+from lightning_longctx.attention.dispatch import AttentionSetup, choose_attention
 from lightning_longctx.config import MODES, Mode, ResolvedConfig, SequenceParallelConfig
 from lightning_longctx.integrations.context import SequenceParallelContext
 from lightning_longctx.integrations.hf_symbols import check_symbols
@@ -58,7 +57,7 @@ from lightning_longctx.integrations.moe import moe_aux_loss_plan
 from lightning_longctx.integrations.rope import patch_rotary, rope_limit, unpatch_rotary
 from lightning_longctx.ops.loss import sequence_parallel_cross_entropy
 from lightning_longctx.parallel.comm import Group, group_rank_size
-from lightning_longctx.parallel.sharding import IGNORE_INDEX, document_ids, gather_sequence
+from lightning_longctx.parallel.sharding import IGNORE_INDEX
 from lightning_longctx.parallel.tensor_parallel import local_head
 
 _UNSET = object()
@@ -133,46 +132,12 @@ def _hf_attention(
             documents = ctx.positions.documents(pattern.chunk)
     if documents is not None and documents.shape[0] != q.shape[0]:  # 1-D / one-row positions, as HF allows
         documents = documents.expand(q.shape[0], -1)
-    cfg = ctx.config
-    common = dict(
-        group=ctx.group, causal=causal, softmax_scale=scaling, backend=cfg.settings.attention_backend,
-        documents=documents, position_ids=None if known else position_ids,  # known: nothing to gather
-    )  # fmt: skip
     # gpt-oss passes its sinks as s_aux (num_heads,): whole, each rank takes its own heads' slice
-    features = dict(sliding_window=sliding_window, softcap=softcap or None, sinks=kwargs.get("s_aux"))
-    chunk = ctx.local_chunk(q.shape[1])  # short sequences: one chunk of their local length
-    if ctx.ring > 1:  # Ulysses (or FPDT) x ring: zigzag over the ring (sharding.py), global document ids
-        if not known and position_ids is not None:
-            full = gather_sequence(position_ids, group=ctx.group, chunk_size=chunk, ring=ctx.ring)
-            documents = document_ids(full)
-        groups = dict(ulysses_group=ctx.ulysses_group, ring_group=ctx.ring_group)
-        if k.dtype != v.dtype:  # autocast: k fp32 after RoPE, v bf16; the ring sends them in one buffer
-            k, v = (x.to(torch.promote_types(k.dtype, v.dtype)) for x in (k, v))
-        backend = cfg.settings.attention_backend
-        if chunk is None:
-            layout = RingLayout(ring_size=ctx.ring, seq_len=q.shape[1] * ctx.sp_size, kind="zigzag")
-            out = usp_attention(
-                q, k, v, **groups, layout=layout, causal=causal, softmax_scale=scaling, documents=documents,
-                backend=backend, **features,
-            )  # fmt: skip
-        else:
-            out = fpdt_ring_attention(
-                q, k, v, **groups, chunk_size=chunk, causal=causal, softmax_scale=scaling, documents=documents,
-                backend=backend, offload=cfg.offload, **features,
-            )  # fmt: skip
-    elif chunk is None:
-        out = ulysses_attention(q, k, v, **features, **common)
-    else:
-        out = fpdt_attention(
-            q,
-            k,
-            v,
-            chunk_size=chunk,
-            offload=cfg.offload,
-            overlap=cfg.settings.fpdt_overlap,
-            **features,
-            **common,
-        )
+    out = ctx.attend(
+        q, k, v, causal=causal, scale=scaling, documents=documents,
+        position_ids=None if known else position_ids,  # known: the documents are the batch's, nothing to gather
+        sliding_window=sliding_window, softcap=softcap or None, sinks=kwargs.get("s_aux"),
+    )  # fmt: skip
     ctx.attention_calls += 1
     return out, None
 
@@ -401,12 +366,22 @@ def enable_sequence_parallel(
     the model's logit scale and soft-cap are honoured; anything else is refused here or at the first call.
     :func:`disable_sequence_parallel` undoes it.
     """
-    from transformers import AttentionInterface, PreTrainedModel
-    from transformers.masking_utils import AttentionMaskInterface
-
     if config is None:
         config = _config_of(group, mode, chunk_size, offload, backend, mlp_chunk_size, loss_chunk_size)
-    mode = config.mode
+    mixers, attention_layers = _check_patchable(model, config, ring_groups)
+    ctx = _new_context(model, group, config, ring_groups, mixers, attention_layers)
+    _register(model, ctx)
+    _patch_model(model, ctx, mixers)
+    return model
+
+
+def _check_patchable(
+    model: nn.Module, config: ResolvedConfig, ring_groups: tuple[Group, Group] | None
+) -> tuple[list[nn.Module], int]:
+    """Every refusal :func:`enable_sequence_parallel` makes before it changes anything; returns the model's
+    hybrid mixers and its number of attention layers."""
+    from transformers import PreTrainedModel
+
     if not isinstance(model, PreTrainedModel):
         raise TypeError(
             f"enable_sequence_parallel expects a transformers PreTrainedModel, got {type(model).__name__}. "
@@ -437,27 +412,56 @@ def enable_sequence_parallel(
             "Use a model that supports attn_implementation='sdpa'/'flex_attention' (Llama, Qwen2/3, Mistral, ...)"
         )
     halo = mixer_halo(mixers)
-    chunk = config.settings.fpdt_chunk_size if mode is Mode.FPDT else None
+    chunk = config.settings.fpdt_chunk_size if config.mode is Mode.FPDT else None
     if chunk is not None and chunk < halo:  # every FPDT chunk is a segment that needs its halo
         raise halo_error(name, halo, chunk)
+    return mixers, attention_layers
+
+
+def _new_context(
+    model: nn.Module,
+    group: Group,
+    config: ResolvedConfig,
+    ring_groups: tuple[Group, Group] | None,
+    mixers: list[nn.Module],
+    attention_layers: int,
+) -> SequenceParallelContext:
+    """The model's context: what it reads at patch time (its MoE loss, its chunked head), and its attention,
+    chosen once for the configuration's sequence layout (``attention/dispatch.py``)."""
+    name = type(model).__name__
     moe_plan = moe_aux_loss_plan(model)  # refuses an in-forward loss term it cannot compute over the group
     lm_head = None
-    if mode is Mode.FPDT and model.get_output_embeddings() is not None:
+    if config.mode is Mode.FPDT and model.get_output_embeddings() is not None:
         lm_head = read_chunked_head(model, name)  # refuses a logits transform it cannot reproduce
-    ctx = SequenceParallelContext(
+    ring_group, ulysses_group = ring_groups if config.layout.ring > 1 and ring_groups else (None, None)
+    setup = AttentionSetup(
+        layout=config.sequence_layout, group=group, ring_group=ring_group, ulysses_group=ulysses_group,
+        backend=config.settings.attention_backend, offload=config.offload, overlap=config.settings.fpdt_overlap,
+    )  # fmt: skip
+    return SequenceParallelContext(
         group=group,
         config=config,
         model_name=name,
         num_attention_layers=attention_layers,
         num_mixers=len(mixers),
-        mixer_halo=halo,
+        mixer_halo=mixer_halo(mixers),
         lm_head=lm_head,
         moe_plan=moe_plan,
         rope_limit=rope_limit(model.config),
-        ring_group=ring_groups[0] if ring > 1 else None,
-        ulysses_group=ring_groups[1] if ring > 1 else None,
+        ring_group=ring_group,
+        ulysses_group=ulysses_group,
+        attend=choose_attention(setup),
     )
-    saved = ctx.restore
+
+
+def _register(model: nn.Module, ctx: SequenceParallelContext) -> None:
+    """Register the model's attention and mask functions under a fresh key and point its config at it (its
+    settings before that in ``ctx.restore``); the hub kernels off, length-dependent RoPE patched, the positions
+    hooks on."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    name, saved = ctx.model_name, ctx.restore
     saved["kernels_mode"] = _turn_off_hub_kernels(model)  # before any forward of ours is installed
     # length-dependent RoPE (dynamic NTK, longrope) reads the GLOBAL length; refused when it cannot (rope.py)
     saved["rotary"] = patch_rotary(model, ctx, name)
@@ -465,7 +469,7 @@ def enable_sequence_parallel(
     saved["use_cache"] = model.config.use_cache
     saved["loss_function"] = model.__dict__.get("_loss_function", _UNSET)
     saved["forward"] = model.__dict__.get("forward", _UNSET)
-    ctx.key = f"longctx_{mode}_{id(ctx):x}"  # unique among live keys: the registry keeps ctx alive
+    ctx.key = f"longctx_{ctx.config.mode}_{id(ctx):x}"  # unique among live keys: the registry keeps ctx alive
     AttentionInterface.register(ctx.key, _SequenceParallelAttention(ctx))
     AttentionMaskInterface.register(ctx.key, SequenceParallelMask(ctx))
     _set_attention(model, ctx, ctx.key)  # RWKV, xLSTM (attention-free): the key only names ctx
@@ -481,28 +485,39 @@ def enable_sequence_parallel(
         model.register_forward_pre_hook(hook.before, with_kwargs=True),
         model.register_forward_hook(hook.after, with_kwargs=True, always_call=True),
     ]
+
+
+def _patch_model(model: nn.Module, ctx: SequenceParallelContext, mixers: list[nn.Module]) -> None:
+    """The model's loss, hybrid mixers and, in FPDT mode, its tiled MLPs and norms and chunked lm_head + loss
+    (an MoE model's exact load-balancing loss under Ulysses): what it runs besides attention."""
+    saved = ctx.restore
     model.config.use_cache = False
     model.loss_function = functools.partial(_hf_loss, ctx)
     saved["mixers"] = patch_mixers(model, ctx, mixers)
-    if mode is Mode.FPDT:
-        from lightning_longctx.ops.tiling import is_tiled, tile_mlp_
-
-        # MoE blocks stay untiled when the model has a load-balancing loss: the tiled forward runs without
-        # autograd, so the router logits it records would carry no gradient.
-        mlps = {
-            name: m
-            for name, m in _decoder_mlps(model).items()
-            if not is_tiled(m) and not (moe_plan is not None and _routes_tokens(m, model))
-        }
-        norms = {name: m for name, m in _position_wise_norms(model).items() if not is_tiled(m)}
-        for module in (*mlps.values(), *norms.values()):
-            tile_mlp_(module, config.settings.mlp_chunk_size or config.settings.fpdt_chunk_size)
-        saved["tiled_mlps"], saved["tiled_norms"] = list(mlps), list(norms)
-        if lm_head is not None:
+    if ctx.config.mode is Mode.FPDT:
+        _tile_fpdt(model, ctx)
+        if ctx.lm_head is not None:
             model.forward = types.MethodType(_chunked_loss_forward, model)
-    elif moe_plan is not None:
+    elif ctx.moe_plan is not None:
         model.forward = types.MethodType(_aux_loss_forward, model)
-    return model
+
+
+def _tile_fpdt(model: nn.Module, ctx: SequenceParallelContext) -> None:
+    """FPDT mode: tile the decoder layers' MLPs and the position-wise norms along the sequence."""
+    from lightning_longctx.ops.tiling import is_tiled, tile_mlp_
+
+    # MoE blocks stay untiled when the model has a load-balancing loss: the tiled forward runs without
+    # autograd, so the router logits it records would carry no gradient.
+    mlps = {
+        name: m
+        for name, m in _decoder_mlps(model).items()
+        if not is_tiled(m) and not (ctx.moe_plan is not None and _routes_tokens(m, model))
+    }
+    norms = {name: m for name, m in _position_wise_norms(model).items() if not is_tiled(m)}
+    settings = ctx.config.settings
+    for module in (*mlps.values(), *norms.values()):
+        tile_mlp_(module, settings.mlp_chunk_size or settings.fpdt_chunk_size)
+    ctx.restore["tiled_mlps"], ctx.restore["tiled_norms"] = list(mlps), list(norms)
 
 
 def _config_of(

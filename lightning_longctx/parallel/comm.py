@@ -475,10 +475,50 @@ def all_gather_no_grad(x: torch.Tensor, group: Group = None, dim: int = 0) -> to
     return torch.cat(parts, dim=dim)
 
 
-def barrier(group: Group = None) -> None:
-    """Wait until every rank of ``group`` got here (nothing to wait for without a process group)."""
+def barrier(group: Group = None, device_ids: list[int] | None = None) -> None:
+    """Wait until every rank of ``group`` got here (nothing to wait for without a process group); on NCCL
+    ``device_ids`` names this rank's device."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier(group=group)
+        if device_ids is not None and dist.get_backend(group) == "nccl":
+            dist.barrier(group=group, device_ids=device_ids)
+        else:
+            dist.barrier(group=group)
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank of the world (pickled; ``obj`` itself without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src)
+    return box[0]
+
+
+def broadcast_module_(module: torch.nn.Module, src: int = 0) -> None:
+    """Every rank's parameters and buffers of ``module`` become rank ``src``'s, in place (what DDP does when it
+    wraps; for a model that runs without DDP's wrapper)."""
+    if group_rank_size(None)[1] == 1:
+        return
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src)
+
+
+def reduce_mean_or_sum(x: torch.Tensor, group: Group = None, op: Any = "mean") -> torch.Tensor:
+    """Lightning's ``Strategy.reduce``: ``x`` summed, or averaged (``"mean"`` / ``"avg"``), over ``group``;
+    a ``ReduceOp`` passes through as it is."""
+    world = group_rank_size(group)[1]
+    if world == 1:
+        return x
+    x = x.detach().clone() if x.requires_grad else x.clone()
+    name = op.lower() if isinstance(op, str) else None
+    if name in ("mean", "avg"):
+        if not x.is_floating_point():
+            x = x.float()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        return x / world
+    dist.all_reduce(x, op=_reduce_op(name) if name is not None else op, group=group)
+    return x
 
 
 def new_gloo_group() -> Any:

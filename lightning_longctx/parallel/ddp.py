@@ -31,6 +31,9 @@ class DDPReplication:
     ``comm_wrapper``) with its ``comm_state``: a DDP communication hook, registered on CUDA only (as
     Lightning's ``DDPStrategy`` does: its hooks target NCCL)."""
 
+    #: whether the piece shards the parameters (FSDP2 computes in its ``param_dtype``) or replicates them (DDP)
+    shards = False
+
     def __init__(
         self,
         mesh: WorldMesh,

@@ -72,6 +72,9 @@ class FSDP2Sharding:
     ``cpu_offload``: parameters, gradients and optimizer states in host memory (pinned when the mesh is on
     CUDA)."""
 
+    #: whether the piece shards the parameters (FSDP2 computes in its ``param_dtype``) or replicates them (DDP)
+    shards = True
+
     def __init__(self, mesh: WorldMesh, *, cpu_offload: bool = False) -> None:
         fsdp = _fsdp2()
         self.mesh = mesh.replicas

@@ -302,3 +302,39 @@ def _enumerated_mesh(layout: ParallelLayout, device_type: str) -> WorldMesh:
         ring_group=None if rings is None else rings[0],
         ulysses_group=None if rings is None else rings[1],
     )
+
+
+def init_world(
+    backend: str,
+    *,
+    rank: int,
+    world_size: int,
+    main_address: str,
+    main_port: int,
+    timeout: Any = None,
+    device: Any = None,
+) -> bool:
+    """The default process group of ``world_size`` ranks (``torch.distributed.init_process_group`` over
+    ``MASTER_ADDR`` / ``MASTER_PORT``), unless one exists already (a launcher, a test, a second fit made it);
+    returns whether it was made here. ``device``: a CUDA device binds NCCL to it at once."""
+    import os
+
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError(
+            "torch.distributed is not available in this build of PyTorch; it cannot run in parallel"
+        )
+    if dist.is_initialized():
+        return False
+    os.environ["MASTER_ADDR"] = main_address
+    os.environ["MASTER_PORT"] = str(main_port)
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        kwargs["device_id"] = device
+    dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+    if "nccl" in backend:  # torch warns about an NCCL group left undestroyed at exit
+        import atexit
+
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    return True

@@ -93,6 +93,7 @@ def parallelize(
     *,
     param_dtype: torch.dtype | None = None,
     before_sharding: Callable[[Parallelized], None] | None = None,
+    data_parallel: Any = None,
 ) -> Parallelized:
     """Make the Hugging Face models inside ``model`` (a ``PreTrainedModel``, or any module holding some, e.g.
     a LightningModule or a peft model) parallel over ``mesh``, in place, in the order of the module docstring:
@@ -109,6 +110,8 @@ def parallelize(
             dtype. Under ``data_parallel="ddp"`` it is not read (mixed precision is the caller's autocast).
         before_sharding: called with the handle after step 3, before FSDP2 (every rank; the strategy's
             float32 self-test, which FSDP2's low ``param_dtype`` would make impossible after it).
+        data_parallel: the run's data-parallel piece (:func:`data_parallel_for`; a
+            :class:`~lightning_longctx.parallel.plan.ParallelPlan` holds one); ``None``: built here.
 
     Returns:
         a :class:`Parallelized` handle; calling it undoes the swap and the checkpointing.
@@ -141,7 +144,7 @@ def parallelize(
         before_sharding(done)
     # 4. FSDP2 over the replicas (the flattened dp x sp axis)
     if config.settings.data_parallel == "fsdp":
-        FSDP2Sharding(mesh, cpu_offload=config.settings.cpu_offload).shard(model, param_dtype=param_dtype)
+        (data_parallel or data_parallel_for(mesh, config)).shard(model, param_dtype=param_dtype)
     return done
 
 

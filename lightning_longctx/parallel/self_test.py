@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_longctx.attention.dispatch import with_layout
 from lightning_longctx.config import Mode, ResolvedConfig
 from lightning_longctx.integrations.context import BatchPositions, SequenceParallelContext
 from lightning_longctx.integrations.transformers import sequence_parallel_off
@@ -276,16 +277,18 @@ def _no_trace(
 
 @contextmanager
 def _probe_chunk(ctx: SequenceParallelContext, chunk: int | None) -> Iterator[None]:
-    """The context's FPDT chunk set to the probe's for the parallel run (attention reads it per call)."""
-    config = ctx.config
+    """The context's FPDT chunk set to the probe's for the parallel run: its config, and its attention rebound to
+    that layout (the attention binds its layout when the model is patched)."""
+    config, attend = ctx.config, ctx.attend
     if chunk is not None and chunk != config.settings.fpdt_chunk_size:
         ctx.config = dataclasses.replace(
             config, settings=dataclasses.replace(config.settings, fpdt_chunk_size=chunk)
         )
+        ctx.attend = with_layout(attend, ctx.config.sequence_layout)
     try:
         yield
     finally:
-        ctx.config = config
+        ctx.config, ctx.attend = config, attend
 
 
 class _EmbeddingLeaf:

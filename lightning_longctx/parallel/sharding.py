@@ -1,30 +1,22 @@
 """Cut a batch into this rank's piece of the sequence, and put pieces back together.
 
-Two layouts of a global sequence of N tokens over P ranks:
-
-* contiguous (``chunk_size=None``, Ulysses): rank r holds tokens ``[r*N/P, (r+1)*N/P)``.
-* FPDT (``chunk_size=c``): the sequence is cut into chunks of c tokens and rank r holds chunks
-  ``r, r+P, r+2P, ...`` in that order, so that after the all-to-all of its i-th local chunk every
-  rank holds the contiguous global segment i (``P*c`` tokens).
-* 2-D, Ulysses x ring (``ring=r > 1``, ``U = P / r``): the sequence is cut into ``2r`` chunks, ring rank j
-  holds chunks j and ``2r-1-j`` (zigzag: equal causal work) and sp rank ``s = j*U + u`` holds piece u of U
-  equal pieces of them (``attention/ring.py``'s ``RingLayout.sp_shard``), so the Ulysses all-to-all gives
-  ring rank j its two chunks in order.
-* 2-D with FPDT chunks (``ring=r > 1`` and ``chunk_size=c``): ring rank j's ``N/r`` tokens (its two zigzag
-  chunks, in order) are laid out over its U Ulysses ranks as FPDT lays a sequence out over P ranks: cut
-  into segments of ``U*c`` tokens, sp rank ``(j, u)`` holds chunk u of each. ``N % (2*P*c) == 0``, so no
-  segment straddles the two zigzag chunks: every local chunk is a run of c consecutive global tokens.
-  Without ``chunk_size`` this is the same layout with one segment (``c = N/P``).
+The layouts (contiguous, FPDT's strided chunks, Ulysses x ring's zigzag, FPDT x ring) are encoded once, in
+:class:`~lightning_longctx.parallel.layout.SequenceLayout` (``parallel/layout.py``, whose docstring describes
+them). The functions here take a process group of P ranks and a call's ``chunk_size`` and ``ring`` and act on
+``SequenceLayout(sp=P, ring=ring, chunk_size=chunk_size)`` at exactly that chunk; around it they shift the
+labels (before the cut, so no target is lost at a shard edge), pad the end, and derive packed documents from
+global positions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from lightning_longctx.parallel.comm import Group, all_gather_no_grad, group_rank_size
+from lightning_longctx.parallel.comm import Group, group_rank_size
+from lightning_longctx.parallel.layout import SequenceLayout
 
 #: The label of a token that is not trained on (PyTorch's and Hugging Face's convention).
 IGNORE_INDEX = -100
@@ -33,68 +25,30 @@ IGNORE_INDEX = -100
 SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "token_type_ids")
 
 
-def _segment(n: int, world: int, chunk_size: int | None) -> int:
-    """Tokens per layout segment: ``chunk_size``, or the whole local shard (contiguous layout)."""
-    if chunk_size is None:
-        if n % world:
-            raise ValueError(
-                f"sequence length {n} is not divisible by the sequence-parallel size {world}; "
-                "pad it to a multiple of it (shard_batch does this for you)"
-            )
-        return n // world
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
-    if n % (world * chunk_size):
-        raise ValueError(
-            f"sequence length {n} is not divisible by sequence-parallel size x chunk_size = "
-            f"{world} x {chunk_size} = {world * chunk_size}; pad the sequence (shard_batch does) "
-            "or pick a chunk_size that divides the local length"
-        )
-    return chunk_size
+def _layout(group: Group, chunk_size: int | None, ring: int) -> SequenceLayout:
+    """The layout over ``group``'s ranks at exactly ``chunk_size``."""
+    _, world = group_rank_size(group)
+    return SequenceLayout(sp=world, ring=ring, chunk_size=chunk_size)
 
 
 def chunk_for(seq_len: int, world: int, chunk_size: int | None, ring: int = 1) -> int | None:
-    """Tokens per FPDT chunk per rank for a global sequence of ``seq_len`` tokens over ``world`` ranks:
-    ``chunk_size``, or one chunk of the local length for a sequence shorter than ``world * chunk_size``
-    (half of it with a ring: a chunk never straddles the two zigzag chunks of a ring rank) (``None``: the
-    contiguous layout). The one place this rule lives."""
-    if chunk_size is None:
-        return None
-    per = world * (2 if ring > 1 else 1)
-    return min(chunk_size, -(-seq_len // per))
+    """Tokens per FPDT chunk per rank for a global sequence of ``seq_len`` tokens over ``world`` ranks
+    (:meth:`SequenceLayout.chunk_for <lightning_longctx.parallel.layout.SequenceLayout.chunk_for>`):
+    ``chunk_size``, or one chunk of the local length for a shorter sequence (half of it with a ring)."""
+    return SequenceLayout(sp=world, ring=ring, chunk_size=chunk_size).chunk_for(seq_len)
 
 
 def local_chunk(chunk_size: int, local_len: int, ring: int = 1) -> int:
-    """The chunk of a rank holding ``local_len`` tokens of a sequence laid out by :func:`chunk_for` (the same
-    rule, seen from the local length that ``shard_batch`` produced)."""
-    return min(chunk_size, local_len // 2 if ring > 1 else local_len)
+    """The chunk of a rank holding ``local_len`` tokens of a sequence laid out by :func:`chunk_for`
+    (``SequenceLayout.local_chunk``, a rule that reads no sp size)."""
+    return cast(int, SequenceLayout(sp=ring, ring=ring, chunk_size=chunk_size).local_chunk(local_len))
 
 
 def _ring_index(
     n: int, world: int, ring: int, chunk_size: int | None = None, device: torch.device | None = None
 ) -> torch.Tensor:
-    """``(world, n / world)``: the global index of every sp rank's tokens in the 2-D layout (module doc)."""
-    c = n // world if chunk_size is None else chunk_size
-    if n % (2 * world) or (chunk_size is not None and n % (2 * world * chunk_size)):
-        unit = 2 * world if chunk_size is None else 2 * world * chunk_size
-        raise ValueError(
-            f"sequence length {n} is not divisible by {unit} (ring_size={ring}: 2 x {ring} zigzag chunks, each "
-            f"ring rank's split over {world // ring} Ulysses ranks"
-            + ("" if chunk_size is None else f" in FPDT chunks of {chunk_size}")
-            + "); pad the sequence (shard_batch does)"
-        )
-    z = n // (2 * ring)
-    j = torch.arange(ring, device=device)[:, None]
-    t = torch.arange(z, device=device)
-    per_ring = torch.cat([j * z + t, (2 * ring - 1 - j) * z + t], dim=1)  # (r, 2z): chunks j and 2r-1-j
-    # (r, K, U, c) segments of U*c tokens, chunk u of each to Ulysses rank u: sp rank j * U + u
-    pieces = per_ring.reshape(ring, -1, world // ring, c).transpose(1, 2)
-    return pieces.reshape(world, n // world)
-
-
-def _check_ring(ring: int, world: int) -> None:
-    if ring < 1 or world % ring:
-        raise ValueError(f"ring={ring} must be a positive divisor of the sequence-parallel size {world}")
+    """``(world, n / world)``: the global index of every sp rank's tokens (``SequenceLayout.index``)."""
+    return SequenceLayout(sp=world, ring=ring, chunk_size=chunk_size).index(n, device)
 
 
 def global_index(
@@ -106,17 +60,11 @@ def global_index(
     ring: int = 1,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """``(local_len,)`` global token index of each of rank ``rank``'s tokens in the layout (the inverse of
-    :func:`shard_sequence` on ``arange(N)``, computed without a collective)."""
-    _check_ring(ring, world)
-    if ring > 1:
-        c = None if chunk_size is None else local_chunk(chunk_size, local_len, ring)
-        return _ring_index(local_len * world, world, ring, c, device)[rank]
-    t = torch.arange(local_len, device=device)
-    if chunk_size is None:
-        return rank * local_len + t
-    c = local_chunk(chunk_size, local_len)  # rank r holds chunks r, r+P, ... of c tokens
-    return (t // c * world + rank) * c + t % c
+    """``(local_len,)`` global token index of each of rank ``rank``'s tokens in the layout, at the chunk of a
+    shard of ``local_len`` tokens (:func:`local_chunk`): the inverse of :func:`shard_sequence` on ``arange(N)``,
+    computed without a collective."""
+    layout = SequenceLayout(sp=world, ring=ring, chunk_size=chunk_size).for_local(local_len)
+    return layout.global_index(local_len, rank, device)
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -136,35 +84,15 @@ def shard_sequence(
     """This rank's part of ``x`` along ``dim`` (length N) in the chosen layout; N must divide
     (``N % P == 0``, ``N % (P*chunk_size) == 0`` for the FPDT layout, ``N % 2P == 0`` with a ring,
     ``N % (2P*chunk_size) == 0`` with both)."""
-    rank, world = group_rank_size(group)
-    dim = dim % x.dim()
-    n = x.shape[dim]
-    _check_ring(ring, world)
-    if ring > 1:
-        return x.index_select(dim, _ring_index(n, world, ring, chunk_size, x.device)[rank])
-    seg = _segment(n, world, chunk_size)
-    parts = x.unflatten(dim, (n // (world * seg), world, seg))  # (..., u, P, seg, ...)
-    return parts.select(dim + 1, rank).flatten(dim, dim + 1).contiguous()
+    rank, _ = group_rank_size(group)
+    return _layout(group, chunk_size, ring).shard(x, rank, dim)
 
 
 def gather_sequence(
     x: torch.Tensor, *, group: Group = None, dim: int = 1, chunk_size: int | None = None, ring: int = 1
 ) -> torch.Tensor:
     """Inverse of :func:`shard_sequence`: the full sequence on every rank (no autograd)."""
-    _, world = group_rank_size(group)
-    dim = dim % x.dim()
-    local = x.shape[dim]
-    _check_ring(ring, world)
-    if ring > 1:  # the ranks' shards in rank order, then each token to its global index
-        stacked = all_gather_no_grad(x, group, dim=dim)  # (..., P * local, ...)
-        index = _ring_index(local * world, world, ring, chunk_size, x.device).flatten()
-        return torch.empty_like(stacked).index_copy_(dim, index, stacked)
-    seg = local if chunk_size is None else chunk_size
-    if local % seg:
-        raise ValueError(f"local length {local} is not a multiple of chunk_size {seg}")
-    stacked = all_gather_no_grad(x.unsqueeze(dim), group, dim=dim)  # (..., P, local, ...)
-    parts = stacked.unflatten(dim + 1, (local // seg, seg)).transpose(dim, dim + 1)  # (..., u, P, seg, ...)
-    return parts.flatten(dim, dim + 2).contiguous()
+    return _layout(group, chunk_size, ring).gather(x, group, dim)
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -200,13 +128,6 @@ def _check_padding_mask(mask: torch.Tensor, shape: torch.Size) -> None:
         )
 
 
-def _pad_length(n: int, group: Group, chunk_size: int | None, ring: int = 1) -> int:
-    """Tokens ``shard_batch`` appends to a sequence of ``n``: up to a multiple of ``P`` (``P * chunk``; ``2P``
-    with a ring: its 2r zigzag chunks, each ring rank's split over U)."""
-    _, world = group_rank_size(group)
-    return -n % (world * (chunk_size or 1) * (2 if ring > 1 else 1))
-
-
 def _padded_positions(pos: torch.Tensor | None, ids: torch.Tensor, pad: int) -> torch.Tensor:
     """``(b, N + pad)`` global positions: the batch's (``arange(N)`` when absent), continued over the pads."""
     b, n = ids.shape
@@ -224,9 +145,8 @@ def global_positions(
     :func:`shard_batch` pads it: what every rank's shard of ``position_ids`` comes from. Its
     :func:`document_ids` are the batch's packed documents, known here without a collective."""
     ids = batch["input_ids"]
-    return _padded_positions(
-        batch.get("position_ids"), ids, _pad_length(ids.shape[1], group, chunk_size, ring)
-    )
+    pad = -ids.shape[1] % _layout(group, chunk_size, ring).multiple
+    return _padded_positions(batch.get("position_ids"), ids, pad)
 
 
 def shard_batch(
@@ -249,7 +169,7 @@ def shard_batch(
     token ``ignore_index`` — so no target is lost at a shard edge. ``labels`` then holds the same
     pre-shifted shard (HF computes a loss only when ``labels`` is given and uses ``shift_labels``).
 
-    ``ring`` > 1: the 2-D Ulysses x ring layout (module doc; ``group`` is the whole sp group, ranks in
+    ``ring`` > 1: the 2-D Ulysses x ring layout (``parallel/layout.py``; ``group`` is the whole sp group, ranks in
     ``s = j*U + u`` order, as the world mesh's flattened sp axis).
 
     Lengths that don't divide are padded at the END to a multiple of ``P`` (``P*chunk_size`` in the FPDT
@@ -265,7 +185,8 @@ def shard_batch(
     ids = batch["input_ids"]
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise ValueError(f"input_ids must be a (batch, seq) tensor, got {getattr(ids, 'shape', type(ids))}")
-    pad = _pad_length(ids.shape[1], group, chunk_size, ring)
+    layout = _layout(group, chunk_size, ring)  # at exactly chunk_size: a shorter sequence pads up to it
+    pad = -ids.shape[1] % layout.multiple
 
     seqs: dict[str, torch.Tensor] = {}
     for key in SEQUENCE_KEYS:
@@ -291,9 +212,10 @@ def shard_batch(
     seqs["position_ids"] = _padded_positions(seqs.get("position_ids"), ids, pad)
 
     pad_value = {"input_ids": pad_token_id, "labels": ignore_index, "shift_labels": ignore_index}
+    rank, _ = group_rank_size(group)
     out = dict(batch)
     for key, val in seqs.items():
         if key != "position_ids":
             val = _pad(val, pad, pad_value.get(key, 0))
-        out[key] = shard_sequence(val, group=group, dim=1, chunk_size=chunk_size, ring=ring)
+        out[key] = layout.shard(val, rank, dim=1)
     return out

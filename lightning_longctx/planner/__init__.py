@@ -114,12 +114,12 @@ with ``host_memory``;
 In the code, one module per job: ``shapes.py`` reads the model's shape from its config (shared with
 :mod:`lightning_longctx.planner.flops`); ``plan.py`` maps :func:`plan_memory`'s keywords onto the strategy's
 :class:`~lightning_longctx.config.SequenceParallelConfig` (validated there, once) and resolves it;
-``layout.py`` turns the shape and the resolved config into a ``_Layout`` (per-rank shapes, dtype sizes, mode
-flags), checking the planner's own inputs; ``terms.py`` has one small function per memory term, returning a
-``_Term`` (device bytes, host bytes, the table row it adds to, a note); ``phases.py``'s ``_PHASE_TABLE`` says
-at which moments each term is alive, and ``evaluate`` sums them and takes the peak; ``report.py`` is the
-answer (``MemoryPlan``: its table, JSON, fit). A new memory term is one function plus one line of the table
-(README.md).
+``layout.py`` turns the shape and the resolved config into a ``_PerRank``, what one rank holds (tokens and
+heads per rank, dtype sizes, mode flags), checking the planner's own inputs; ``terms.py`` has one small
+function per memory term, returning a ``_Term`` (device bytes, host bytes, the table row it adds to, a note);
+``phases.py``'s ``_PHASE_TABLE`` says at which moments each term is alive, and ``evaluate`` sums them and
+takes the peak; ``report.py`` is the answer (``MemoryPlan``: its table, JSON, fit). A new memory term is one
+function plus one line of the table (README.md).
 
 What it does not model: mixture-of-experts layers (their TP split is counted, ``_count_params``; their
 configs are refused), non-RMSNorm norms and fused qkv projections (counted
@@ -131,9 +131,10 @@ layer's with every layer's activations alive; tensor parallelism of hybrids, and
 lightning attention, Kimi delta attention, Mamba-1, RG-LRU, RWKV, xLSTM, Zamba2's shared blocks and LFM2's
 convolutions are refused with the kind named.
 
-How long a step takes: :func:`estimate_step_time` prices the same per-rank layout with a device's achieved rates
-(``step_time.py``; the device table with its sources in ``devices.py``; a CPU measured by :func:`calibrate_cpu`):
-step time, tokens/s, MFU (PaLM's model FLOPs) and HFU (recompute counted), what binds.
+How long a step takes: :func:`estimate_step_time` prices what one rank holds with a device's achieved rates
+(``step_time.py``; the device table with its sources in ``devices.py``; a CPU's rates measured by
+``benchmarks/calibrate_step_time.py`` and read back with ``devices.load_spec``): step time, tokens/s, MFU
+(PaLM's model FLOPs) and HFU (recompute counted), what binds.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ from lightning_longctx.planner.plan import (
 )
 from lightning_longctx.planner.report import MemoryComponent, MemoryPlan, format_bytes, parse_bytes
 from lightning_longctx.planner.ring_size import RingChoice, ring_choice
-from lightning_longctx.planner.step_time import StepTimeEstimate, calibrate_cpu, estimate_step_time
+from lightning_longctx.planner.step_time import StepTimeEstimate, estimate_step_time
 
 __all__ = [
     "ALLOCATOR_RESERVE",
@@ -167,7 +168,6 @@ __all__ = [
     "MemoryPlan",
     "RingChoice",
     "StepTimeEstimate",
-    "calibrate_cpu",
     "device_spec",
     "estimate_step_time",
     "format_bytes",

@@ -32,7 +32,8 @@ by its ranks. Sources, per field (``source`` of each spec names them again):
 * ``op_latency``: seconds of host time to launch one operator from eager PyTorch (~8 µs on a GPU host); on
   a GPU it runs ahead of the device (a step costs at least its launches), on a CPU it adds to the compute.
 
-A CPU "device" is measured, not tabled: :func:`lightning_longctx.planner.step_time.calibrate_cpu`.
+A CPU "device" is measured, not tabled: ``benchmarks/calibrate_step_time.py`` writes its JSON (:func:`load_spec`
+reads it); the planner itself measures nothing.
 """
 
 from __future__ import annotations
@@ -231,7 +232,8 @@ ALIASES: Mapping[str, str] = MappingProxyType(
 
 def device_spec(kind: str | DeviceSpec) -> DeviceSpec:
     """A :class:`DeviceSpec` by name (``a100-40gb``, ``a100-80gb``, ``h100``, ``h200``, ``b200``), or a spec
-    itself. A CPU is measured: ``calibrate_cpu()`` in ``step_time.py``."""
+    itself. A CPU is measured: ``benchmarks/calibrate_step_time.py`` writes a spec, :func:`load_spec` reads
+    it."""
     if isinstance(kind, DeviceSpec):
         return kind
     key = str(kind).strip().lower().replace("_", "-").replace(" ", "-")
@@ -269,7 +271,7 @@ def spec_from_dict(data: Mapping[str, Any]) -> DeviceSpec:
 
 
 def load_spec(path: str | Path) -> DeviceSpec:
-    """:func:`spec_from_dict` of a JSON file (what ``calibrate_cpu(path=...)`` writes)."""
+    """:func:`spec_from_dict` of a JSON file (what ``benchmarks/calibrate_step_time.py --out`` writes)."""
     return spec_from_dict(json.loads(Path(path).read_text()))
 
 

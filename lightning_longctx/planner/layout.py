@@ -1,10 +1,10 @@
-"""The layout of one plan: what one rank holds, resolved once from the model's shape, the resolved
-sequence-parallel config and the planner's own inputs.
+"""What one rank holds in one plan, resolved once from the model's shape, the resolved sequence-parallel
+config and the planner's own inputs.
 
-:func:`build_layout` takes a :class:`~lightning_longctx.config.ResolvedConfig` (the settings, validated in
+:func:`build_per_rank` takes a :class:`~lightning_longctx.config.ResolvedConfig` (the settings, validated in
 ``config.py`` only) and validates what only the planner asks: the sequence, the micro batch, the precision and
 the weights' dtype, the optimizer, LoRA, the memory sizes, and what tensor parallelism needs of this model.
-The :class:`_Layout` it returns is all a memory term (``terms.py``) reads.
+The :class:`_PerRank` it returns is all a memory term (``terms.py``) and the step-time model read.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_longctx.attention.common import kv_repeat_factor
-from lightning_longctx.config import SUPPORTED_PRECISION, ResolvedConfig
+from lightning_longctx.config import SUPPORTED_PRECISION, DataParallel, Mode, ResolvedConfig
 from lightning_longctx.ops.chunked_loss import default_loss_chunk_size
 from lightning_longctx.parallel.fsdp import MIXED_PRECISION_DTYPES
 from lightning_longctx.planner.report import parse_bytes
@@ -51,7 +51,9 @@ def _dtype_bytes(name: Any) -> int:
     return _DTYPE_BYTES[key]
 
 
-def _dtypes(precision: str, param_dtype: Any, data_parallel: str) -> tuple[int, int, int, int, bool, bool]:
+def _dtypes(
+    precision: str, param_dtype: Any, data_parallel: DataParallel
+) -> tuple[int, int, int, int, bool, bool]:
     """(w master parameter bytes, pw compute parameter bytes, m matmul bytes, r residual bytes, autocast on,
     MixedPrecisionPolicy on) of a Lightning precision. FSDP with a mixed precision over fp32 weights uses
     FSDP2's MixedPrecisionPolicy (the strategy's rule: ``fsdp.MIXED_PRECISION_DTYPES``): the blocks compute
@@ -63,7 +65,7 @@ def _dtypes(precision: str, param_dtype: Any, data_parallel: str) -> tuple[int, 
     w = None if param_dtype is None else _dtype_bytes(param_dtype)
     if p.endswith("-mixed"):  # fp32 weights unless the model was built in another dtype; autocast matmuls
         w = w or 4
-        if data_parallel == "fsdp" and p in MIXED_PRECISION_DTYPES:
+        if data_parallel is DataParallel.FSDP and p in MIXED_PRECISION_DTYPES:
             return w, 2, 2, 2, True, True
         return w, w, 2, w, True, False
     if p in ("bf16-true", "16-true"):  # Lightning converts the module to the half dtype
@@ -79,8 +81,8 @@ def _check_int(name: str, value: Any, minimum: int = 1) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Layout:
-    """The resolved inputs of one plan: the model's shape, the sequence as ``shard_batch`` pads and splits
+class _PerRank:
+    """What one rank holds in one plan: the model's shape, the sequence as ``shard_batch`` pads and splits
     it, heads per rank after the all-to-all, dtype sizes and the mode flags. Notation as in the package
     docstring: ``t`` local tokens, ``w`` / ``m`` / ``r`` parameter / matmul / residual bytes."""
 
@@ -93,14 +95,15 @@ class _Layout:
     t: int  # tokens per rank: b * padded / sp
     bn: int  # tokens each rank sees in head layout: b * padded (with a ring: its ring rank's, b * padded / ring)
     ring: int  # ring_size r: ring attention over r groups of U = sp / r Ulysses ranks (1: Ulysses alone)
-    mode: str
+    mode: Mode
     chunk: int | None  # FPDT tokens per chunk per rank (capped at the local length)
     loss_chunk: int | None  # FPDT's lm_head + loss chunk (tokens)
     mlp_chunk: int | None  # FPDT's tiled-MLP chunk (tokens)
     offload: bool  # FPDT's chunks in host memory
     checkpointing: bool  # every decoder layer checkpointed (implied by activation_offload)
     activation_offload: bool  # the checkpointed layer inputs in host memory
-    data_parallel: str  # "ddp" or "fsdp"
+    fpdt_overlap: bool  # FPDT's all-to-alls in the background, behind a block's compute
+    data_parallel: DataParallel
     optimizer: str  # lower case
     states: int  # optimizer state tensors per parameter
     precision: str
@@ -134,7 +137,7 @@ class _Layout:
 
     @property
     def fpdt(self) -> bool:
-        return self.mode == "fpdt"
+        return self.mode is Mode.FPDT
 
     @property
     def ulysses(self) -> int:
@@ -178,7 +181,7 @@ class _Layout:
     @property
     def shard(self) -> int:
         """Ranks a parameter is split over: dp * sp with FSDP (the replicas of a TP-local block), 1 with DDP."""
-        return self.dp * self.sp if self.data_parallel == "fsdp" else 1
+        return self.dp * self.sp if self.data_parallel is DataParallel.FSDP else 1
 
     @property
     def head_local(self) -> int:
@@ -290,7 +293,7 @@ class _Layout:
         return min(FPDT_BLOCK_SIZE, self.segment // self.b) if self.fpdt else 0
 
 
-def build_layout(
+def build_per_rank(
     shape: _Shape,
     parallel: ResolvedConfig,
     *,
@@ -306,45 +309,24 @@ def build_layout(
     device_reserve: int | str | None = None,
     host_reserve: int | str | None = None,
     device_type: str = "cuda",
-) -> _Layout:
+) -> _PerRank:
     """What one rank of ``parallel``'s layout holds for ``shape``: the settings read from the resolved config,
     the planner's own inputs (keywords as :func:`~lightning_longctx.planner.plan_memory`'s) checked here.
     Devices per host: the config's devices per node, else the world up to ``DEFAULT_DEVICES_PER_HOST``."""
-    b = _check_int("micro_batch_size", micro_batch_size)
-    _check_int("seq_len", seq_len)
-    if device_type not in DEVICE_TYPES:
-        raise ValueError(
-            f"device_type={device_type!r} is unknown; use 'cuda' (a GPU run: its reserve holds the CUDA context) "
-            "or 'cpu'"
-        )
-    if optimizer.lower() not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer={optimizer!r} is unknown; use one of {sorted(OPTIMIZER_STATES)}")
     settings, P, dp, tp = parallel.settings, parallel.sp, parallel.dp, parallel.tp
-    if tp > 1 and shape.blocks:
-        raise ValueError(
-            f"tensor_parallel_size={tp}: {shape.model_name} is a hybrid model; plan_memory does not model its "
-            "recurrent layers under tensor parallelism; use tensor_parallel_size=1"
-        )
-    if tp > 1:
-        _check_tp(shape, tp)
+    b = _check_int("micro_batch_size", micro_batch_size)
+    _check_inputs(shape, tp, seq_len=seq_len, optimizer=optimizer, device_type=device_type)
     ring = parallel.layout.ring
-    w, pw, m, r, autocast, mp = _dtypes(precision, param_dtype, settings.data_parallel)
+    data_parallel = DataParallel(settings.data_parallel)  # validated by the config: "ddp" or "fsdp"
+    w, pw, m, r, autocast, mp = _dtypes(precision, param_dtype, data_parallel)
     memory = None if device_memory is None else parse_bytes(device_memory)
     host = None if host_memory is None else parse_bytes(host_memory)
     per_host = parallel.layout.devices_per_node or min(parallel.layout.world_size, DEFAULT_DEVICES_PER_HOST)
     lora, lora_block = _lora_params(shape, lora_rank, lora_targets, tp)
 
-    fpdt = parallel.mode == "fpdt"
     # the strategy's rule (tensor_parallel.vocab_parallel_head): FPDT's chunked loss on this rank's V / tp rows
-    vocab_parallel = tp > 1 and fpdt and shape.tp.head > 0 and shape.vocab % tp == 0
-    chunk = loss_chunk = mlp_chunk = None
-    if fpdt:
-        chunk = parallel.chunk_for(seq_len)  # the strategy's rule: capped at the local length
-        # the default chunk is of the rows the loss sees (chunked_lm_head_cross_entropy: the local weight's)
-        loss_chunk = settings.loss_chunk_size or default_loss_chunk_size(
-            shape.vocab // tp if vocab_parallel else shape.vocab
-        )
-        mlp_chunk = settings.mlp_chunk_size or settings.fpdt_chunk_size
+    vocab_parallel = tp > 1 and parallel.mode is Mode.FPDT and shape.tp.head > 0 and shape.vocab % tp == 0
+    chunk, loss_chunk, mlp_chunk = _fpdt_chunks(shape, parallel, seq_len, vocab_parallel)
     # shard_batch's padding: sp (x chunk with FPDT; x 2 with a ring: its 2r zigzag chunks, each split over U;
     # FPDT x ring: 2 * P * c, its chunk capped at N / 2P by chunk_for)
     multiple = P * (chunk or 1) * (2 if ring > 1 else 1)
@@ -352,12 +334,13 @@ def build_layout(
     heads, kv_heads = shape.heads // tp, shape.kv_heads // tp  # the TP-local heads the attention receives
     U = P // ring  # the all-to-all's ranks: kv heads are spread for U, not P (usp_attention)
     kv = kv_heads * kv_repeat_factor(heads, kv_heads, U)
-    return _Layout(
+    return _PerRank(
         shape=shape, seq_len=seq_len, padded=padded, sp=P, dp=dp, b=b, t=b * padded // P,
         bn=b * padded // ring, ring=ring,
-        mode="fpdt" if fpdt else "ulysses", chunk=chunk, loss_chunk=loss_chunk, mlp_chunk=mlp_chunk,
+        mode=parallel.mode, chunk=chunk, loss_chunk=loss_chunk, mlp_chunk=mlp_chunk,
         offload=parallel.offload, checkpointing=parallel.activation_checkpointing,  # activation offload implies it
-        activation_offload=settings.activation_offload, data_parallel=settings.data_parallel,
+        activation_offload=settings.activation_offload, fpdt_overlap=settings.fpdt_overlap,
+        data_parallel=data_parallel,
         optimizer=optimizer.lower(), states=OPTIMIZER_STATES[optimizer.lower()], precision=str(precision), w=w,
         pw=pw, m=m, r=r, autocast=autocast, mp_policy=mp, cpu_offload=settings.cpu_offload, lora=lora,
         lora_block=lora_block, kv_heads=kv, heads_per_rank=-(-heads // U), kv_per_rank=-(-kv // U),
@@ -367,6 +350,41 @@ def build_layout(
         host_reserve=HOST_PROCESS_BYTES if host_reserve is None else parse_bytes(host_reserve),
         device_type=device_type,
     )  # fmt: skip
+
+
+def _check_inputs(shape: _Shape, tp: int, *, seq_len: int, optimizer: str, device_type: str) -> None:
+    """The planner's own inputs that no config validates: the sequence, the device type, the optimizer, and what
+    tensor parallelism needs of this model."""
+    _check_int("seq_len", seq_len)
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(
+            f"device_type={device_type!r} is unknown; use 'cuda' (a GPU run: its reserve holds the CUDA context) "
+            "or 'cpu'"
+        )
+    if optimizer.lower() not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r} is unknown; use one of {sorted(OPTIMIZER_STATES)}")
+    if tp > 1 and shape.blocks:
+        raise ValueError(
+            f"tensor_parallel_size={tp}: {shape.model_name} is a hybrid model; plan_memory does not model its "
+            "recurrent layers under tensor parallelism; use tensor_parallel_size=1"
+        )
+    if tp > 1:
+        _check_tp(shape, tp)
+
+
+def _fpdt_chunks(
+    shape: _Shape, parallel: ResolvedConfig, seq_len: int, vocab_parallel: bool
+) -> tuple[int | None, int | None, int | None]:
+    """FPDT's ``(chunk, loss chunk, MLP chunk)`` in tokens, as the strategy picks them (all None for Ulysses)."""
+    if parallel.mode is not Mode.FPDT:
+        return None, None, None
+    settings = parallel.settings
+    chunk = parallel.chunk_for(seq_len)  # the strategy's rule: capped at the local length
+    # the default chunk is of the rows the loss sees (chunked_lm_head_cross_entropy: the local weight's)
+    loss_chunk = settings.loss_chunk_size or default_loss_chunk_size(
+        shape.vocab // parallel.tp if vocab_parallel else shape.vocab
+    )
+    return chunk, loss_chunk, settings.mlp_chunk_size or settings.fpdt_chunk_size
 
 
 def _check_tp(shape: _Shape, tp: int) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_longctx.planner.layout import _Layout
+from lightning_longctx.planner.layout import _PerRank
 from lightning_longctx.planner.report import MemoryComponent, MemoryPlan, format_bytes
 from lightning_longctx.planner.terms import (
     _ORDER,
@@ -67,7 +67,7 @@ _MOMENTS = (
 )
 
 # fmt: off
-_PHASE_TABLE: tuple[tuple[Callable[[_Layout], _Term], str], ...] = (
+_PHASE_TABLE: tuple[tuple[Callable[[_PerRank], _Term], str], ...] = (
     #                                     layer fwd   loss   loss   layer bwd   optimizer
     #                                     attn  MLP   fwd    bwd    attn  MLP   step
     (_weights,                           "x     x     x      x      x     x     x"),
@@ -144,8 +144,9 @@ def _moments(terms: list[tuple[_Term, str]]) -> list[_Moment]:
     return moments
 
 
-def evaluate(lay: _Layout) -> MemoryPlan:
-    """Evaluate the phase table for a layout: the peak of every phase, and the rows of the peak phase."""
+def evaluate(lay: _PerRank) -> MemoryPlan:
+    """Evaluate the phase table for what one rank holds (``lay``): the peak of every phase, and the rows of
+    the peak phase."""
     terms = [(term(lay), marks) for term, marks in _PHASE_TABLE]
     moments = _moments(terms)
     phases = {phase: [mo for mo in moments if mo.phase == phase] for phase, _ in _MOMENTS}
@@ -177,14 +178,14 @@ def evaluate(lay: _Layout) -> MemoryPlan:
         tokens_per_device=lay.t,
         sequence_parallel_size=lay.sp,
         data_parallel_size=lay.dp,
-        mode=lay.mode,
+        mode=lay.mode.value,  # the report keeps plain strings (its JSON, its repr)
         fpdt_chunk_size=lay.chunk,
         loss_chunk_size=lay.loss_chunk,
         mlp_chunk_size=lay.mlp_chunk,
         offload=lay.offload,
         activation_checkpointing=lay.checkpointing,
         activation_offload=lay.activation_offload,
-        data_parallel=lay.data_parallel,
+        data_parallel=lay.data_parallel.value,
         micro_batch_size=lay.b,
         precision=lay.precision,
         param_bytes=lay.w,

@@ -11,11 +11,12 @@ from typing import Any
 from lightning_longctx.config import (
     DEFAULT_FPDT_CHUNK_SIZE,
     MODES,
+    Mode,
     ResolvedConfig,
     SequenceParallelConfig,
     auto_ring_size,
 )
-from lightning_longctx.planner.layout import ALL_LINEAR, _check_int, _Layout, build_layout
+from lightning_longctx.planner.layout import ALL_LINEAR, _check_int, _PerRank, build_per_rank
 from lightning_longctx.planner.phases import evaluate
 from lightning_longctx.planner.report import MemoryPlan, parse_bytes
 from lightning_longctx.planner.shapes import model_shape
@@ -109,41 +110,36 @@ def plan_memory(
 
     Returns a :class:`MemoryPlan`; ``plan.table()`` prints it.
     """
-    shape = model_shape(config)
-    parallel = resolve_parallel(
+    per_rank = plan_per_rank(
+        config,
+        seq_len=seq_len,
         sequence_parallel_size=sequence_parallel_size,
         data_parallel_size=data_parallel_size,
         tensor_parallel_size=tensor_parallel_size,
         ring_size=ring_size,
-        attention_heads=shape.heads,
         mode=mode,
         fpdt_chunk_size=fpdt_chunk_size,
         offload=offload,
         activation_checkpointing=activation_checkpointing,
         activation_offload=activation_offload,
         data_parallel=data_parallel,
-        loss_chunk_size=loss_chunk_size,
-        mlp_chunk_size=mlp_chunk_size,
-        cpu_offload=cpu_offload,
-        devices_per_host=devices_per_host,
-    )
-    layout = build_layout(
-        shape,
-        parallel,
-        seq_len=seq_len,
         micro_batch_size=micro_batch_size,
         precision=precision,
         param_dtype=param_dtype,
         optimizer=optimizer,
+        loss_chunk_size=loss_chunk_size,
+        mlp_chunk_size=mlp_chunk_size,
+        cpu_offload=cpu_offload,
         lora_rank=lora_rank,
         lora_targets=lora_targets,
         device_memory=device_memory,
         host_memory=host_memory,
+        devices_per_host=devices_per_host,
         device_reserve=device_reserve,
         host_reserve=host_reserve,
         device_type=device_type,
     )
-    return evaluate(layout)
+    return evaluate(per_rank)
 
 
 def resolve_parallel(
@@ -173,8 +169,7 @@ def resolve_parallel(
     run's): ``offload="auto"`` is on with FPDT. ``ring_size="auto"`` is settled here, by
     :func:`~lightning_longctx.config.auto_ring_size` of the sp size and the model's ``attention_heads`` per
     tensor-parallel rank."""
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is unknown; use 'ulysses' or 'fpdt' (chunked, optionally offloaded)")
+    mode = _as_mode(mode)
     if sequence_parallel_size == "auto":
         raise ValueError(
             "sequence_parallel_size='auto' needs the world the strategy sees: pass the number of ranks that "
@@ -194,7 +189,7 @@ def resolve_parallel(
         sequence_parallel_size=sequence_parallel_size,
         tensor_parallel_size=tensor_parallel_size,
         ring_size=1 if auto else ring_size,  # type: ignore[arg-type]  # validated by the config
-        fpdt_chunk_size=chunk if mode == "fpdt" else None,
+        fpdt_chunk_size=chunk if mode is Mode.FPDT else None,
         offload=offload,
         activation_checkpointing=activation_checkpointing,
         activation_offload=activation_offload,
@@ -306,20 +301,28 @@ def longest_sequence(
     return lo * step
 
 
-def plan_layout(config: Any, *, seq_len: int, sequence_parallel_size: int, **kwargs: Any) -> _Layout:
-    """The per-rank layout :func:`plan_memory` evaluates for the same keywords (tokens and heads per rank, the
-    ring's r and U, dtype sizes), for what reads the layout itself (``ring_size.py``)."""
+def plan_per_rank(config: Any, *, seq_len: int, sequence_parallel_size: int, **kwargs: Any) -> _PerRank:
+    """What one rank holds for :func:`plan_memory`'s keywords (tokens and heads per rank, the ring's r and U,
+    dtype sizes): what :func:`plan_memory` evaluates, the step-time model prices and ``ring_size.py`` reads.
+    The keywords go to :func:`resolve_parallel` (the settings) and ``build_per_rank`` (the planner's own)."""
     parallel_names = inspect.signature(resolve_parallel).parameters
-    layout_names = inspect.signature(build_layout).parameters
-    unknown = sorted(set(kwargs) - set(parallel_names) - set(layout_names))
+    per_rank_names = inspect.signature(build_per_rank).parameters
+    unknown = sorted(set(kwargs) - set(parallel_names) - set(per_rank_names))
     if unknown:
-        raise TypeError(f"plan_layout() got unknown keywords {unknown}; it takes plan_memory's keywords")
+        raise TypeError(f"plan_per_rank() got unknown keywords {unknown}; it takes plan_memory's keywords")
     shape = model_shape(config)
     parallel = resolve_parallel(
         sequence_parallel_size=sequence_parallel_size,
         attention_heads=shape.heads,
         **{k: v for k, v in kwargs.items() if k in parallel_names and k != "attention_heads"},
     )
-    return build_layout(
-        shape, parallel, seq_len=seq_len, **{k: v for k, v in kwargs.items() if k in layout_names}
+    return build_per_rank(
+        shape, parallel, seq_len=seq_len, **{k: v for k, v in kwargs.items() if k in per_rank_names}
     )
+
+
+def _as_mode(mode: str | Mode) -> Mode:
+    """``mode`` (``"ulysses"`` / ``"fpdt"`` or a :class:`~lightning_longctx.config.Mode`) as the member."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is unknown; use 'ulysses' or 'fpdt' (chunked, optionally offloaded)")
+    return Mode(mode)

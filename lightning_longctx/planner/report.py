@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_longctx.config import Mode
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _UNITS.update({f"{u}ib": v for u, v in list(_UNITS.items()) if u not in ("", "b")})
 _UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
@@ -74,14 +76,14 @@ class MemoryPlan:
     tokens_per_device: int  # micro_batch_size * padded_seq_len / sp
     sequence_parallel_size: int
     data_parallel_size: int
-    mode: str
+    mode: str  # a Mode's value
     fpdt_chunk_size: int | None  # tokens per chunk per rank actually used
     loss_chunk_size: int | None
     mlp_chunk_size: int | None
     offload: bool
     activation_checkpointing: bool
     activation_offload: bool
-    data_parallel: str
+    data_parallel: str  # a DataParallel's value
     micro_batch_size: int
     precision: str
     param_bytes: int
@@ -178,7 +180,7 @@ class MemoryPlan:
         if self.padded_seq_len != self.seq_len:
             n += f" (padded to {self.padded_seq_len:,})"
         mode = "Ulysses"
-        if self.mode == "fpdt":
+        if self.mode == Mode.FPDT:
             chunks = self.tokens_per_device // (self.micro_batch_size * self.fpdt_chunk_size)
             mode = f"FPDT chunk {self.fpdt_chunk_size:,} ({chunks} per rank)" + (
                 " + offload" if self.offload else ""
@@ -203,7 +205,9 @@ class MemoryPlan:
         if self.ring_size > 1:
             sp = self.sequence_parallel_size
             tp = f" (ring {self.ring_size} x Ulysses {sp // self.ring_size}){tp}"
-            mode = f"FPDT x ring, {mode.removeprefix('FPDT ')}" if self.mode == "fpdt" else "Ulysses x ring"
+            mode = (
+                f"FPDT x ring, {mode.removeprefix('FPDT ')}" if self.mode == Mode.FPDT else "Ulysses x ring"
+            )
         return (
             f"{self.model} ({_count(self.params)} params), {n}, sp {self.sequence_parallel_size}{tp} x dp "
             f"{self.data_parallel_size}, {mode}, {', '.join(extras)}: {self.tokens_per_device:,} tokens per device"

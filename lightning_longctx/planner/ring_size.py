@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_longctx.config import auto_ring_size
-from lightning_longctx.planner.plan import plan_layout
+from lightning_longctx.planner.plan import plan_per_rank
 from lightning_longctx.planner.report import format_bytes
 
 
@@ -69,7 +69,7 @@ def ring_choice(
 ) -> RingChoice:
     """The ring :func:`~lightning_longctx.planner.plan_memory` plans for the same keywords (``ring_size`` an int
     or ``"auto"``), with the figures that explain it."""
-    lay = plan_layout(
+    lay = plan_per_rank(
         config,
         seq_len=seq_len,
         sequence_parallel_size=sequence_parallel_size,

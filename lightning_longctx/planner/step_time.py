@@ -1,10 +1,11 @@
 """How long one training step takes: a step-time and MFU model beside the memory planner.
 
-:func:`estimate_step_time` walks the same per-rank layout as :func:`~lightning_longctx.planner.plan_memory`
-(``build_layout``: tokens per rank, heads after the all-to-all, FPDT chunks, checkpointing, offloads, tp, FSDP)
-and prices each piece of work with a device's achieved rates (:mod:`~lightning_longctx.planner.devices`; a CPU's
-are measured by :func:`calibrate_cpu`). Per rank, one optimizer step of ``micro_batch_size`` sequences, with
-``t`` local tokens, ``N`` the padded sequence, ``K`` the keys a query attends to:
+:func:`estimate_step_time` walks what one rank holds, as :func:`~lightning_longctx.planner.plan_memory` does
+(``plan_per_rank``: tokens per rank, heads after the all-to-all, FPDT chunks, checkpointing, offloads, tp,
+FSDP) and prices each piece of work with a device's achieved rates (:mod:`~lightning_longctx.planner.devices`; a CPU's
+are measured by ``benchmarks/calibrate_step_time.py``, outside the package, and read back with
+``devices.load_spec``). Per rank, one optimizer step of ``micro_batch_size`` sequences, with ``t`` local
+tokens, ``N`` the padded sequence, ``K`` the keys a query attends to:
 
 * **matmuls**: ``2·t·W`` FLOPs forward for the TP-local weights ``W`` of the blocks and the lm_head, twice that
   backward; recompute adds one more forward of the blocks with checkpointing, of the MLP with FPDT's tiled MLP
@@ -29,7 +30,7 @@ are measured by :func:`calibrate_cpu`). Per rank, one optimizer step of ``micro_
   every segment in forward, q/out/grads per tile in backward), each hidden behind one tile's attention when
   shorter; activation offload (each checkpointed layer input out in forward, in for backward, behind one
   layer's compute); ``cpu_offload``'s shards in and gradients out per block.
-* **a CPU "device"** (:func:`calibrate_cpu`): its ranks share ``cores``; with more ranks than cores every term
+* **a CPU "device"** (a calibration file): its ranks share ``cores``; with more ranks than cores every term
   takes ``ranks / cores`` times longer (time slicing), and nothing overlaps (``overlap=False``).
 * **optimizer**: AdamW reads and writes ~10 bytes per parameter byte-width (param, grad, 2 states, the foreach
   temporary, the clip's norm) of the rank's shard: device memory, or under ``cpu_offload`` the host's DRAM,
@@ -52,17 +53,14 @@ communication terms; pass your own rates (``DeviceSpec``, ``--device-spec``).
 from __future__ import annotations
 
 import inspect
-import json
-import os
-import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
+from lightning_longctx.config import DataParallel
 from lightning_longctx.planner.devices import DeviceSpec, KernelRate, device_spec
-from lightning_longctx.planner.layout import _Layout, build_layout
-from lightning_longctx.planner.plan import resolve_parallel
-from lightning_longctx.planner.shapes import ATTENTION, _as_config, model_shape, text_config
+from lightning_longctx.planner.layout import _PerRank, build_per_rank
+from lightning_longctx.planner.plan import plan_per_rank, resolve_parallel
+from lightning_longctx.planner.shapes import ATTENTION, _as_config, text_config
 
 # Operators launched per decoder layer and forward-equivalent pass in eager PyTorch: a Hugging Face Llama layer's
 # forward + backward + its AdamW share dispatch 264 aten ops (counted with a dispatch mode, torch 2.13), a third
@@ -189,7 +187,7 @@ def _keys_per_query(row: int, window: int | None, document: int | None) -> float
     return w * (1.0 - w / (2.0 * s))
 
 
-def _attention_windows(config: Any, lay: _Layout) -> list[int | None]:
+def _attention_windows(config: Any, lay: _PerRank) -> list[int | None]:
     """The sliding window (None: full) of each attention layer, in order."""
     from lightning_longctx.planner.flops import _layer_windows
 
@@ -245,7 +243,8 @@ def estimate_step_time(
             ``activation_offload``, ``data_parallel``, ``cpu_offload``, ``tensor_parallel_size``,
             ``data_parallel_size``, ``micro_batch_size``, ``precision``, ...); memory-only ones are ignored.
         gpu: a device kind (``a100-40gb``, ``a100-80gb``, ``h100``, ``h200``, ``b200``) or a :class:`DeviceSpec`
-            (a user-given device, or ``calibrate_cpu()``'s).
+            (a user-given device, or a CPU's calibration: ``load_spec`` of what
+            ``benchmarks/calibrate_step_time.py`` writes).
         gpus_per_node: devices per node (default: ``devices_per_host``, else 8, at most the world).
         attention_kernel: a kernel of the device's table (``fa2``, ``fa3``, ``cudnn``); default: the one this
             package runs there.
@@ -254,66 +253,26 @@ def estimate_step_time(
     """
     dev = device_spec(gpu)
     kernel = dev.kernel(attention_kernel)
-    kernel_name = attention_kernel or dev.default_kernel
-    if document_length is not None and (isinstance(document_length, bool) or int(document_length) < 1):
-        raise ValueError(f"document_length={document_length!r} must be a positive number of tokens, or None")
-    parallel_names = inspect.signature(resolve_parallel).parameters
-    layout_names = inspect.signature(build_layout).parameters
-    unknown = sorted(set(plan_kwargs) - set(parallel_names) - set(layout_names))
-    if unknown:
-        raise TypeError(
-            f"estimate_step_time() got unknown keywords {unknown}; it takes plan_memory's keywords"
-        )
+    _check_step_keywords(document_length, plan_kwargs)
     per_node = gpus_per_node or plan_kwargs.get("devices_per_host")
-    shape = model_shape(config)
-    parallel = resolve_parallel(
-        sequence_parallel_size=sequence_parallel_size,
-        attention_heads=shape.heads,
-        **{
-            k: v
-            for k, v in plan_kwargs.items()
-            if k in parallel_names and k not in ("devices_per_host", "attention_heads")
-        },
-        devices_per_host=per_node,
-    )
-    lay = build_layout(
-        shape,
-        parallel,
+    lay = plan_per_rank(
+        config,
         seq_len=seq_len,
-        **{k: v for k, v in plan_kwargs.items() if k in layout_names and k not in ("seq_len",)},
+        sequence_parallel_size=sequence_parallel_size,
+        **{**plan_kwargs, "devices_per_host": per_node},
     )
     world = lay.dp * lay.sp * lay.tp
     per_node = min(per_node or 8, world) if dev.cores == 0 else (per_node or world)
     windows = _attention_windows(config, lay)
-    walk = _Walk([])
-    compute_parts = _compute(lay, dev, kernel, windows, document_length, walk)
-    attention_times = compute_parts.pop("attention_tiles")
-    share = max(1.0, min(per_node, world) / dev.cores) if dev.cores else 1.0  # CPU ranks sharing cores
-    _communication(lay, dev, per_node, attention_times, parallel.settings.fpdt_overlap, compute_parts, walk)
-    _host_transfers(lay, dev, attention_times, compute_parts, walk)
-    _optimizer(lay, dev, per_node, walk)
-
-    if share > 1.0:  # ranks time-slice the host's cores: everything a CPU does takes longer by that factor
-        walk.components = [
-            replace(c, seconds=c.seconds * share, exposed=c.exposed * share) for c in walk.components
-        ]
-    by_kind = {k: sum(c.exposed for c in walk.components if c.kind == k)
-               for k in ("compute", "communication", "host transfers", "optimizer")}  # fmt: skip
-    if dev.cores == 0:  # the host launches ahead of the device: only launches beyond the device's work show
-        i, launches = next((i, c) for i, c in enumerate(walk.components) if c.name == "operator launches")
-        device_compute = by_kind["compute"] - launches.exposed
-        walk.components[i] = replace(launches, exposed=max(0.0, launches.seconds - device_compute))
-        by_kind["compute"] = device_compute + walk.components[i].exposed
+    walk = _price_step(lay, dev, kernel, windows, document_length, per_node)
+    by_kind = _exposed_by_kind(walk, dev)
     step = sum(by_kind.values())
     binding = max(by_kind, key=lambda k: by_kind[k])
-
-    tokens_rank = lay.t  # b * N / P
-    model_per_token = _model_flops_per_token(lay, windows, document_length)
-    model_flops = tokens_rank * model_per_token / lay.tp
+    model_flops = lay.t * _model_flops_per_token(lay, windows, document_length) / lay.tp  # t = b * N / P
     tokens_step = lay.b * lay.padded * lay.dp
     return StepTimeEstimate(
-        device=dev.name, kernel=kernel_name, world_size=world, gpus_per_node=per_node, seq_len=lay.padded,
-        tokens_per_step=tokens_step, step_time_s=step, tokens_per_s=tokens_step / step,
+        device=dev.name, kernel=attention_kernel or dev.default_kernel, world_size=world, gpus_per_node=per_node,
+        seq_len=lay.padded, tokens_per_step=tokens_step, step_time_s=step, tokens_per_s=tokens_step / step,
         model_flops_per_device=model_flops, hardware_flops_per_device=walk.hardware_flops,
         peak_flops=dev.peak_flops, mfu=model_flops / step / dev.peak_flops,
         hfu=walk.hardware_flops / step / dev.peak_flops, compute_s=by_kind["compute"],
@@ -322,28 +281,118 @@ def estimate_step_time(
     )  # fmt: skip
 
 
-def _model_flops_per_token(lay: _Layout, windows: list[int | None], document: int | None) -> float:
+def _check_step_keywords(document_length: int | None, plan_kwargs: dict[str, Any]) -> None:
+    """:func:`estimate_step_time`'s own checks: a positive ``document_length``, plan_memory's keywords only."""
+    if document_length is not None and (isinstance(document_length, bool) or int(document_length) < 1):
+        raise ValueError(f"document_length={document_length!r} must be a positive number of tokens, or None")
+    names = set(inspect.signature(resolve_parallel).parameters) | set(
+        inspect.signature(build_per_rank).parameters
+    )
+    unknown = sorted(set(plan_kwargs) - names)
+    if unknown:
+        raise TypeError(
+            f"estimate_step_time() got unknown keywords {unknown}; it takes plan_memory's keywords"
+        )
+
+
+def _price_step(
+    lay: _PerRank,
+    dev: DeviceSpec,
+    kernel: KernelRate,
+    windows: list[int | None],
+    document: int | None,
+    per_node: int,
+) -> _Walk:
+    """Every priced piece of one rank's step, in order: compute, communication, host transfers, optimizer. A
+    CPU's ranks time-slice the host's cores: with more ranks on a node than cores, each piece takes that much
+    longer."""
+    walk = _Walk([])
+    times = _compute(lay, dev, kernel, windows, document, walk)
+    _communication(lay, dev, per_node, times, walk)
+    _host_transfers(lay, dev, times, walk)
+    _optimizer(lay, dev, per_node, walk)
+    world = lay.dp * lay.sp * lay.tp
+    share = max(1.0, min(per_node, world) / dev.cores) if dev.cores else 1.0  # CPU ranks sharing cores
+    if share > 1.0:
+        walk.components = [
+            replace(c, seconds=c.seconds * share, exposed=c.exposed * share) for c in walk.components
+        ]
+    return walk
+
+
+def _exposed_by_kind(walk: _Walk, dev: DeviceSpec) -> dict[str, float]:
+    """The seconds each kind of piece adds to the step. On a device (not a CPU) the host launches ahead of it:
+    only the launches beyond the device's work show (the launches' component is updated to say so)."""
+    by_kind = {k: sum(c.exposed for c in walk.components if c.kind == k)
+               for k in ("compute", "communication", "host transfers", "optimizer")}  # fmt: skip
+    if dev.cores == 0:
+        i, launches = next((i, c) for i, c in enumerate(walk.components) if c.name == "operator launches")
+        device_compute = by_kind["compute"] - launches.exposed
+        walk.components[i] = replace(launches, exposed=max(0.0, launches.seconds - device_compute))
+        by_kind["compute"] = device_compute + walk.components[i].exposed
+    return by_kind
+
+
+def _model_flops_per_token(lay: _PerRank, windows: list[int | None], document: int | None) -> float:
     """PaLM's model FLOPs per token (training: 3 x forward, causal halved, no recompute), all TP ranks."""
     s = lay.shape
     keys = sum(_keys_per_query(lay.padded, w, document) for w in windows)
     return 6.0 * s.matmul_params + 12.0 * s.heads * s.head_dim * keys
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Compute
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ComputeTimes:
+    """What the overlap conditions compare the transfers with (seconds on one rank)."""
+
+    tiles: tuple[float, int] | None  # FPDT: (one full score tile's forward, segments per row); else None
+    attention_pass_s: tuple[
+        float, float
+    ]  # one attention layer's forward and backward (a ring's steps hide in them)
+    layer_s: float  # one layer's compute (matmuls, attention, elementwise; forward, backward, recompute)
+    backward_s: float  # the backward's share of that compute, all layers
+
+
 def _compute(
-    lay: _Layout,
+    lay: _PerRank,
     dev: DeviceSpec,
     kernel: KernelRate,
     windows: list[int | None],
     document: int | None,
     walk: _Walk,
-) -> dict[str, Any]:
-    """Matmul, attention, elementwise and launch time of one rank's step; returns per-layer times the
-    overlap conditions compare with, and the attention of each FPDT tile (``attention_tiles``)."""
-    s, t, m, r = lay.shape, lay.t, lay.m, lay.r
-    tp, fpdt, ckpt = lay.tp, lay.fpdt, lay.checkpointing
-    mm_rate = dev.matmul_flops * (1.0 if m <= 2 or dev.cores else 0.5)  # fp32 on a GPU: TF32 at half rate
+) -> _ComputeTimes:
+    """Matmul, attention, elementwise and launch time of one rank's step; returns the times the overlap
+    conditions compare with."""
+    _matmuls(lay, dev, walk)
+    tiles, pass_s = _attention(lay, kernel, windows, document, walk)
+    _elementwise(lay, dev, walk)
+    _launches(lay, dev, walk)
+    per_layer_compute = sum(
+        c.seconds for c in walk.components if c.kind == "compute" and c.name != "operator launches"
+    )
+    n_attn = max(len(windows), 1)
+    return _ComputeTimes(
+        tiles=tiles,
+        attention_pass_s=(pass_s[0] / n_attn, pass_s[1] / n_attn),
+        layer_s=per_layer_compute / max(lay.shape.layers, 1),
+        backward_s=per_layer_compute * 2.0 / (3 + (1 if lay.checkpointing else 0)),
+    )
 
-    # ---- matmuls ----
+
+def _segments_per_row(lay: _PerRank) -> int:
+    """FPDT: the segments (chunks of every rank of the all-to-all) of one row; 1 without FPDT."""
+    return max(1, lay.t // (lay.b * lay.chunk)) if lay.fpdt else 1
+
+
+def _matmuls(lay: _PerRank, dev: DeviceSpec, walk: _Walk) -> None:
+    """``2·t·W`` FLOPs forward of the TP-local weights, twice that backward; recompute: the blocks again with
+    checkpointing, the MLP with FPDT's tiled MLP, the lm_head with FPDT's chunked loss."""
+    t, fpdt, ckpt = lay.t, lay.fpdt, lay.checkpointing
+    mm_rate = dev.matmul_flops * (1.0 if lay.m <= 2 or dev.cores else 0.5)  # fp32 on a GPU: TF32 at half rate
     head = lay.head_local
     blocks = lay.matmul_local - head
     mlp = lay.mlp_layers * lay.mlp_weights
@@ -356,45 +405,31 @@ def _compute(
     walk.add("matmuls", "compute", mm_flops / mm_rate,
              note=f"{mm_flops / 1e12:.4g} TFLOP ({recompute / 1e12:.3g} recompute) at {mm_rate / 1e12:.4g} TFLOP/s")  # fmt: skip
 
-    # ---- attention ----
-    hd, h = s.head_dim, lay.heads_per_rank
-    row = lay.padded
-    tiles: tuple[float, int] | None = None  # FPDT: (one full tile's forward seconds, segments per layer)
-    attn_s = 0.0
-    pass_s = [
-        0.0,
-        0.0,
-    ]  # one forward and one backward pass of the attention layers (the ring's steps hide in them)
-    fwd_flops_total = 0.0
-    ring = lay.ring
+
+def _attention(
+    lay: _PerRank, kernel: KernelRate, windows: list[int | None], document: int | None, walk: _Walk
+) -> tuple[tuple[float, int] | None, tuple[float, float]]:
+    """The attention layers' kernel time (forward, backward, recompute); returns FPDT's ``(one full tile's
+    forward seconds, segments per row)`` (None otherwise) and the layers' summed forward and backward
+    passes."""
+    s, ckpt, row = lay.shape, lay.checkpointing, lay.padded
     # tokens of one kernel call's queries and keys: FPDT's segment, a ring's zigzag chunk, else the row
-    seg = lay.segment // lay.b if fpdt else row // (2 * ring) if ring > 1 else row
-    u = max(1, lay.t // (lay.b * lay.chunk)) if fpdt else 1  # FPDT: segments per row
+    seg = lay.segment // lay.b if lay.fpdt else row // (2 * lay.ring) if lay.ring > 1 else row
+    u = _segments_per_row(lay)
+    attn_s, fwd_flops_total = 0.0, 0.0
+    pass_s = [0.0, 0.0]  # one forward and one backward pass of the attention layers
     for w in windows:
         keys = _keys_per_query(row, w, document)
-        f = 4.0 * h * hd * lay.bn * keys  # forward FLOPs of one layer on this rank (a ring: bn = b N / r)
+        f = (
+            4.0 * lay.heads_per_rank * s.head_dim * lay.bn * keys
+        )  # forward FLOPs of one layer (ring: bn = b N / r)
         call = min(seg, document or row, w or row)
-        rf, rb = kernel.rates(call, causal=True)
-        if ring > 1 and document is None and w is None:
-            # a ring rank's 2 causal diagonal chunk blocks (half each) of its 2r chunk-block equivalents, the rest
-            # full blocks: the diagonal's share is 1 / (2r)
-            diag = f / (2 * ring)
-            ff, fb = kernel.rates(call, causal=False)
-            fwd, bwd = diag / rf + (f - diag) / ff, 2.5 * diag / rb + 2.5 * (f - diag) / fb
-            seconds = fwd * (2 if ckpt else 1) + bwd
-            pass_s[0] += fwd
-            pass_s[1] += bwd
-        elif fpdt and u > 1 and document is None and w is None:
-            # u causal diagonal tiles (half) and u(u-1)/2 full tiles below them: u^2/2 full-tile equivalents
-            diag = f / u**2  # the diagonal tiles' share: u / 2 of u^2 / 2
-            ff, fb = kernel.rates(call, causal=False)
-            seconds = diag / rf * (2 if ckpt else 1) + 2.5 * diag / rb
-            seconds += (f - diag) / ff * (2 if ckpt else 1) + 2.5 * (f - diag) / fb
-        else:
-            seconds = f / rf * (2 if ckpt else 1) + 2.5 * f / rb
-            pass_s[0] += f / rf
-            pass_s[1] += 2.5 * f / rb
+        seconds, fwd, bwd = _attention_layer_s(
+            lay, kernel, f, call, u, whole_rows=document is None and w is None
+        )
         attn_s += seconds
+        pass_s[0] += fwd
+        pass_s[1] += bwd
         fwd_flops_total += f
     n_attn = len(windows)
     walk.hardware_flops += fwd_flops_total * (3 + (1 if ckpt else 0))
@@ -402,13 +437,47 @@ def _compute(
         walk.add("attention", "compute", attn_s,
                  note=f"{_kernel_note(kernel)}; {fwd_flops_total / 1e12:.4g} TFLOP forward"
                  + (" + recompute" if ckpt else ""))  # fmt: skip
-    if fpdt and n_attn:
+    tiles = None
+    if lay.fpdt and n_attn:
         # one full tile's forward: a layer's forward FLOPs over its u^2/2 full-tile equivalents
         tile_s = fwd_flops_total / n_attn / (u * u / 2.0) / kernel.rates(seg, causal=u == 1)[0]
         tiles = (tile_s, u)
+    return tiles, (pass_s[0], pass_s[1])
 
-    # ---- elementwise (memory-bound): bytes per token of a forward, backward moving twice that ----
-    inter = lay.inter_tp
+
+def _attention_layer_s(
+    lay: _PerRank, kernel: KernelRate, f: float, call: int, u: int, *, whole_rows: bool
+) -> tuple[float, float, float]:
+    """One attention layer of ``f`` forward FLOPs in kernel calls of ``call`` keys: ``(seconds with backward
+    and recompute, its forward pass, its backward pass)``; the passes are 0 for FPDT's tiles (nothing hides
+    in them). ``whole_rows``: no document or window cuts the causal diagonal."""
+    ckpt, ring = lay.checkpointing, lay.ring
+    rf, rb = kernel.rates(call, causal=True)
+    if ring > 1 and whole_rows:
+        # a ring rank's 2 causal diagonal chunk blocks (half each) of its 2r chunk-block equivalents, the rest
+        # full blocks: the diagonal's share is 1 / (2r)
+        diag = f / (2 * ring)
+        ff, fb = kernel.rates(call, causal=False)
+        fwd, bwd = diag / rf + (f - diag) / ff, 2.5 * diag / rb + 2.5 * (f - diag) / fb
+        return fwd * (2 if ckpt else 1) + bwd, fwd, bwd
+    if lay.fpdt and u > 1 and whole_rows:
+        # u causal diagonal tiles (half) and u(u-1)/2 full tiles below them: u^2/2 full-tile equivalents
+        diag = f / u**2  # the diagonal tiles' share: u / 2 of u^2 / 2
+        ff, fb = kernel.rates(call, causal=False)
+        seconds = diag / rf * (2 if ckpt else 1) + 2.5 * diag / rb
+        seconds += (f - diag) / ff * (2 if ckpt else 1) + 2.5 * (f - diag) / fb
+        return seconds, 0.0, 0.0
+    return f / rf * (2 if ckpt else 1) + 2.5 * f / rb, f / rf, 2.5 * f / rb
+
+
+def _kernel_note(kernel: KernelRate) -> str:
+    return f"fwd {kernel.forward / 1e12:.4g} / bwd {kernel.backward / 1e12:.4g} TFLOP/s at {kernel.reference_tokens} keys"
+
+
+def _elementwise(lay: _PerRank, dev: DeviceSpec, walk: _Walk) -> None:
+    """Memory-bound work: bytes per token of a forward (backward moves twice that) at ``memory_bandwidth``."""
+    s, t, m, r = lay.shape, lay.t, lay.m, lay.r
+    hd, tp, inter = s.head_dim, lay.tp, lay.inter_tp
     q_w, kv_w = s.heads * hd // tp, s.kv_heads * hd // tp
     # an RMSNorm (HF's: fp32 upcast, pow, mean, scale, downcast, weight) and a residual add per sub-block
     norm_residual = (20 + 3 * r) * s.d + 3 * r * s.d
@@ -416,28 +485,39 @@ def _compute(
     # q / k / v / out around the attention, the o_proj input's reshape
     attn_bytes = norm_residual + 10 * m * (q_w + kv_w) + 2 * m * (2 * q_w + 2 * kv_w) + 2 * m * q_w
     mlp_bytes = norm_residual + 5 * inter * m  # act(gate) and act * up
-    layer_passes = 3 + (1 if ckpt else 0)
+    layer_passes = 3 + (1 if lay.checkpointing else 0)
+    mlp_extra = 1 if lay.fpdt else 0  # the tiled MLP recomputes each tile in backward
     ew = t * layer_passes * (lay.attention_layers * attn_bytes + lay.mlp_layers * mlp_bytes)
     ew += t * mlp_extra * lay.mlp_layers * 5 * inter * m
     ew += t * LOSS_BYTES_PER_VOCAB * lay.vocab_local
-    if fpdt and lay.attention_layers:
-        # per (segment, kv chunk) tile: q / k / v into the kernel's layout, its output to fp32 and the online
-        # softmax merge (~5 fp32 passes); backward: dout / q / k / v / out in, dq / dk / dv out, their fp32 sums
-        hq, hkv, seg_hd = lay.heads_per_rank, lay.kv_per_rank, lay.segment * hd
-        fwd_tile = seg_hd * (2 * m * (hq + 2 * hkv) + (m + 4) * hq + 20 * hq)
-        bwd_tile = seg_hd * (2 * m * (3 * hq + 2 * hkv) + 2 * m * (hq + 2 * hkv) + (8 + m) * (hq + 2 * hkv))
-        n_tiles = u * (u + 1) // 2
-        ew += lay.attention_layers * n_tiles * (fwd_tile * (2 if ckpt else 1) + bwd_tile)
+    if lay.fpdt and lay.attention_layers:
+        ew += _fpdt_tile_bytes(lay)
     if lay.casting:  # autocast casts each weight per pass (forward, recompute, backward)
-        ew += lay.matmul_local * (lay.pw + m) * (2 + (1 if ckpt else 0))
+        ew += lay.matmul_local * (lay.pw + m) * (2 + (1 if lay.checkpointing else 0))
     walk.add("elementwise", "compute", ew / dev.memory_bandwidth,
              note=f"{ew / 2**30:.3g} GiB through memory at {dev.memory_bandwidth / 1e9:.4g} GB/s")  # fmt: skip
 
-    # ---- operator launches ----
-    layers = s.layers
-    ops = OPS_PER_LAYER * layers * layer_passes
-    if fpdt:
-        u = max(1, lay.t // (lay.b * lay.chunk))
+
+def _fpdt_tile_bytes(lay: _PerRank) -> int:
+    """FPDT's per-tile bytes of all attention layers: per (segment, kv chunk) tile, q / k / v into the
+    kernel's layout, its output to fp32 and the online softmax merge (~5 fp32 passes); backward: dout / q / k
+    / v / out in, dq / dk / dv out, their fp32 sums."""
+    m, hd = lay.m, lay.shape.head_dim
+    u = _segments_per_row(lay)
+    hq, hkv, seg_hd = lay.heads_per_rank, lay.kv_per_rank, lay.segment * hd
+    fwd_tile = seg_hd * (2 * m * (hq + 2 * hkv) + (m + 4) * hq + 20 * hq)
+    bwd_tile = seg_hd * (2 * m * (3 * hq + 2 * hkv) + 2 * m * (hq + 2 * hkv) + (8 + m) * (hq + 2 * hkv))
+    n_tiles = u * (u + 1) // 2
+    return lay.attention_layers * n_tiles * (fwd_tile * (2 if lay.checkpointing else 1) + bwd_tile)
+
+
+def _launches(lay: _PerRank, dev: DeviceSpec, walk: _Walk) -> None:
+    """Operators launched x ``op_latency``: per layer and pass, FPDT's per tile, MLP tile and loss chunk, the
+    optimizer's."""
+    ckpt = lay.checkpointing
+    ops = OPS_PER_LAYER * lay.shape.layers * (3 + (1 if ckpt else 0))
+    if lay.fpdt:
+        u = _segments_per_row(lay)
         ops += OPS_PER_FPDT_TILE * lay.attention_layers * (u * (u + 1) // 2) * (3 + (1 if ckpt else 0))
         mlp_tiles = -(-lay.t // (lay.b * (lay.mlp_chunk or lay.chunk)))
         ops += OPS_PER_MLP_TILE * lay.mlp_layers * mlp_tiles * (4 + (1 if ckpt else 0))
@@ -449,97 +529,98 @@ def _compute(
     walk.add("operator launches", "compute", ops * dev.op_latency,
              note=f"{ops:,} ops x {dev.op_latency * 1e6:.3g} us" + ("" if dev.cores else " (hidden while the device is busy)"))  # fmt: skip
 
-    per_layer_compute = sum(
-        c.seconds for c in walk.components if c.kind == "compute" and c.name != "operator launches"
-    )
-    return {
-        "attention_tiles": tiles,
-        "attention_pass_s": tuple(
-            x / max(n_attn, 1) for x in pass_s
-        ),  # one attention layer's forward, backward
-        "layer_s": per_layer_compute / max(layers, 1),
-        "backward_s": per_layer_compute * 2.0 / (3 + (1 if ckpt else 0)),
-    }
+
+# ---------------------------------------------------------------------------------------------------------
+# Communication
+# ---------------------------------------------------------------------------------------------------------
 
 
-def _kernel_note(kernel: KernelRate) -> str:
-    return f"fwd {kernel.forward / 1e12:.4g} / bwd {kernel.backward / 1e12:.4g} TFLOP/s at {kernel.reference_tokens} keys"
-
-
-def _communication(
-    lay: _Layout,
-    dev: DeviceSpec,
-    per_node: int,
-    tiles: tuple[float, int] | None,
-    overlap: bool,
-    parts: dict[str, Any],
-    walk: _Walk,
-) -> None:
-    s, t, m, tp = lay.shape, lay.t, lay.m, lay.tp
-    ckpt = lay.checkpointing
-    passes = 2 + (1 if ckpt else 0)  # forward, backward, recompute
-    hd = s.head_dim
-    # ---- Ulysses / FPDT all-to-all: q, k, v to head layout, out back (backward: the gradients); with a ring over
-    # the U = P / r adjacent ranks of one Ulysses group, kv heads spread for U ----
-    U = lay.ulysses
-    if U > 1 and lay.attention_layers:
-        q_heads, kv_heads = s.heads // tp, lay.kv_heads
-        per_layer = t * hd * m * (2 * q_heads + 2 * kv_heads) * (U - 1) / U
-        one = _transfer_s(dev, per_layer, U, tp, per_node)
-        total = one * lay.attention_layers * passes
-        if lay.fpdt and overlap and dev.overlap and tiles:
-            tile_s, u = tiles
-            chunk_a2a = one / u
-            # chunk i+1's all-to-all travels while segment i attends to kv 0..i (i + 1/2 tiles)
-            exposed_layer = chunk_a2a + sum(
-                max(0.0, chunk_a2a - (i + 0.5) * tile_s) for i in range(min(u - 1, 4096))
-            )
-            exposed = exposed_layer * lay.attention_layers * passes
-            note = f"per chunk {chunk_a2a * 1e3:.3g} ms vs a tile's attention {tile_s * 1e3:.3g} ms: hidden when shorter"
-        else:
-            exposed, note = total, "on the critical path (the attention waits for it)"
-        walk.add("sequence all-to-all", "communication", total, exposed,
-                 note=f"{per_layer * lay.attention_layers * passes / 2**30:.3g} GiB sent; {note}")  # fmt: skip
+def _communication(lay: _PerRank, dev: DeviceSpec, per_node: int, times: _ComputeTimes, walk: _Walk) -> None:
+    """The step's collectives: the sequence all-to-all, the ring's passes, TP's all-reduces, FSDP / DDP's."""
+    if lay.ulysses > 1 and lay.attention_layers:
+        _sequence_all_to_all(lay, dev, per_node, times.tiles, walk)
     if lay.ring > 1 and lay.attention_layers:
-        _ring_passes(lay, dev, per_node, parts["attention_pass_s"], walk)
-    # ---- tensor parallelism: two all-reduces per layer per pass ----
-    if tp > 1:
-        nbytes = 2.0 * (tp - 1) / tp * t * s.d * m
-        seconds = 2 * s.layers * passes * _transfer_s(dev, nbytes, tp, 1, per_node)
-        walk.add(
-            "tensor-parallel all-reduce", "communication", seconds, note="2 per layer per pass, blocking"
-        )
-    # ---- FSDP / DDP ----
+        _ring_passes(lay, dev, per_node, times.attention_pass_s, walk)
+    if lay.tp > 1:
+        _tensor_parallel_all_reduce(lay, dev, per_node, walk)
     n = lay.dp * lay.sp
-    if n > 1 and lay.data_parallel == "fsdp":
-        block = lay.block_local
-        gather = block * lay.pw * (n - 1) / n
-        scatter = block * lay.w * (n - 1) / n
-        gather_s = _transfer_s(dev, gather, n, tp, per_node)
-        scatter_s = _transfer_s(dev, scatter, n, tp, per_node)
-        layer = parts["layer_s"]
-        fwd_layer = layer / (3 + (1 if ckpt else 0))
-        bwd_layer = layer - fwd_layer
-        if dev.overlap:
-            exposed = gather_s + s.layers * (
-                max(0.0, gather_s - fwd_layer) + max(0.0, gather_s + scatter_s - bwd_layer)
-            )
-        else:
-            exposed = s.layers * (2 * gather_s + scatter_s)
-        root = _transfer_s(dev, lay.root_local * lay.pw * (n - 1) / n, n, tp, per_node)
-        walk.add("FSDP all-gather / reduce-scatter", "communication", s.layers * (2 * gather_s + scatter_s) + root,
-                 exposed + root, note="prefetched: exposed where longer than a block's compute")  # fmt: skip
+    if n > 1 and lay.data_parallel is DataParallel.FSDP:
+        _fsdp_gather_scatter(lay, dev, per_node, times.layer_s, walk)
     elif n > 1:
-        nbytes = 2.0 * (n - 1) / n * lay.trainable * lay.w
-        seconds = _transfer_s(dev, nbytes, n, tp, per_node)
-        last = seconds * min(1.0, DDP_BUCKET_BYTES / max(lay.trainable * lay.w, 1))
-        exposed = max(0.0, seconds - parts["backward_s"]) + last if dev.overlap else seconds
-        walk.add(
-            "DDP all-reduce", "communication", seconds, exposed, note="overlaps backward but the last bucket"
+        _ddp_all_reduce(lay, dev, per_node, times.backward_s, walk)
+
+
+def _sequence_all_to_all(
+    lay: _PerRank, dev: DeviceSpec, per_node: int, tiles: tuple[float, int] | None, walk: _Walk
+) -> None:
+    """Ulysses / FPDT: q, k, v to head layout, out back (backward: the gradients), per pass; with a ring over
+    the U = P / r adjacent ranks of one Ulysses group, kv heads spread for U. FPDT's chunk all-to-all hides
+    behind the previous chunk's attention where shorter."""
+    s, tp, U = lay.shape, lay.tp, lay.ulysses
+    passes = 2 + (1 if lay.checkpointing else 0)  # forward, backward, recompute
+    q_heads, kv_heads = s.heads // tp, lay.kv_heads
+    per_layer = lay.t * s.head_dim * lay.m * (2 * q_heads + 2 * kv_heads) * (U - 1) / U
+    one = _transfer_s(dev, per_layer, U, tp, per_node)
+    total = one * lay.attention_layers * passes
+    if lay.fpdt and lay.fpdt_overlap and dev.overlap and tiles:
+        tile_s, u = tiles
+        chunk_a2a = one / u
+        # chunk i+1's all-to-all travels while segment i attends to kv 0..i (i + 1/2 tiles)
+        exposed_layer = chunk_a2a + sum(
+            max(0.0, chunk_a2a - (i + 0.5) * tile_s) for i in range(min(u - 1, 4096))
         )
+        exposed = exposed_layer * lay.attention_layers * passes
+        note = f"per chunk {chunk_a2a * 1e3:.3g} ms vs a tile's attention {tile_s * 1e3:.3g} ms: hidden when shorter"
+    else:
+        exposed, note = total, "on the critical path (the attention waits for it)"
+    walk.add("sequence all-to-all", "communication", total, exposed,
+             note=f"{per_layer * lay.attention_layers * passes / 2**30:.3g} GiB sent; {note}")  # fmt: skip
 
 
-def ring_pass_bytes(lay: _Layout) -> tuple[int, int]:
+def _tensor_parallel_all_reduce(lay: _PerRank, dev: DeviceSpec, per_node: int, walk: _Walk) -> None:
+    """Two all-reduces of the hidden states per layer per pass, blocking."""
+    s, tp = lay.shape, lay.tp
+    passes = 2 + (1 if lay.checkpointing else 0)  # forward, backward, recompute
+    nbytes = 2.0 * (tp - 1) / tp * lay.t * s.d * lay.m
+    seconds = 2 * s.layers * passes * _transfer_s(dev, nbytes, tp, 1, per_node)
+    walk.add("tensor-parallel all-reduce", "communication", seconds, note="2 per layer per pass, blocking")
+
+
+def _fsdp_gather_scatter(lay: _PerRank, dev: DeviceSpec, per_node: int, layer_s: float, walk: _Walk) -> None:
+    """FSDP's all-gathers (forward, backward) and reduce-scatter of each block over dp x sp, prefetched:
+    exposed where longer than a block's compute; the root's once."""
+    s, tp, n = lay.shape, lay.tp, lay.dp * lay.sp
+    block = lay.block_local
+    gather = block * lay.pw * (n - 1) / n
+    scatter = block * lay.w * (n - 1) / n
+    gather_s = _transfer_s(dev, gather, n, tp, per_node)
+    scatter_s = _transfer_s(dev, scatter, n, tp, per_node)
+    fwd_layer = layer_s / (3 + (1 if lay.checkpointing else 0))
+    bwd_layer = layer_s - fwd_layer
+    if dev.overlap:
+        exposed = gather_s + s.layers * (
+            max(0.0, gather_s - fwd_layer) + max(0.0, gather_s + scatter_s - bwd_layer)
+        )
+    else:
+        exposed = s.layers * (2 * gather_s + scatter_s)
+    root = _transfer_s(dev, lay.root_local * lay.pw * (n - 1) / n, n, tp, per_node)
+    walk.add("FSDP all-gather / reduce-scatter", "communication", s.layers * (2 * gather_s + scatter_s) + root,
+             exposed + root, note="prefetched: exposed where longer than a block's compute")  # fmt: skip
+
+
+def _ddp_all_reduce(lay: _PerRank, dev: DeviceSpec, per_node: int, backward_s: float, walk: _Walk) -> None:
+    """DDP's gradient all-reduce over dp x sp: overlaps backward but its last bucket."""
+    n = lay.dp * lay.sp
+    nbytes = 2.0 * (n - 1) / n * lay.trainable * lay.w
+    seconds = _transfer_s(dev, nbytes, n, lay.tp, per_node)
+    last = seconds * min(1.0, DDP_BUCKET_BYTES / max(lay.trainable * lay.w, 1))
+    exposed = max(0.0, seconds - backward_s) + last if dev.overlap else seconds
+    walk.add(
+        "DDP all-reduce", "communication", seconds, exposed, note="overlaps backward but the last bucket"
+    )
+
+
+def ring_pass_bytes(lay: _PerRank) -> tuple[int, int]:
     """Bytes one rank sends in the ring passes of one attention layer, ``(forward, backward)``
     (``attention/ring.py``): forward ``(r - 1)`` k/v blocks ``B`` (``2 b (N/r) (H_kv'/U) hd`` elements in the k/v
     dtype), backward ``(r - 1)`` again plus ``r`` hops of the fp32 dk/dv blocks."""
@@ -549,7 +630,7 @@ def ring_pass_bytes(lay: _Layout) -> tuple[int, int]:
 
 
 def _ring_passes(
-    lay: _Layout, dev: DeviceSpec, per_node: int, attention_s: tuple[float, float], walk: _Walk
+    lay: _PerRank, dev: DeviceSpec, per_node: int, attention_s: tuple[float, float], walk: _Walk
 ) -> None:
     """The ring's k/v (and in backward dk/dv) passes to the next ring rank, ``U * tp`` ranks away: over NVLink
     while the sp x tp ranks fit a node, else bound by the inter-node link. Each step's message travels while the
@@ -577,55 +658,74 @@ def _ring_passes(
              note=f"{sent:.3g} GiB sent (ring {r}, {'inter' if lay.sp * lay.tp > per_node else 'intra'}-node); {note}")  # fmt: skip
 
 
-def _host_transfers(
-    lay: _Layout, dev: DeviceSpec, tiles: tuple[float, int] | None, parts: dict[str, Any], walk: _Walk
-) -> None:
-    s, ckpt = lay.shape, lay.checkpointing
-    link = dev.host_link_bandwidth
-    if lay.fpdt and lay.offload and lay.attention_layers and tiles:
-        tile_s, u = tiles
-        hd, h, kv = s.head_dim, lay.heads_per_rank, lay.kv_per_rank
-        seg = lay.segment  # tokens of one segment (b included)
-        kv_bytes = seg * kv * hd * 2 * lay.m
-        q_bytes = seg * h * hd * lay.qa
-        # to the host once: q, out, k, v, lse of every chunk; back: the older kv chunks for every segment in
-        # forward; in backward each outer step's kv chunk, and per tile q, out, dout and lse
-        store = u * (2 * q_bytes + kv_bytes + seg * h * 4)
-        fetch_fwd = u * (u - 1) / 2 * kv_bytes
-        fetch_bwd = u * kv_bytes + u * (u + 1) / 2 * (3 * q_bytes + seg * h * 4)
-        passes_fwd = 2 if ckpt else 1
-        total = (passes_fwd * (store + fetch_fwd) + fetch_bwd) / link
-        if dev.overlap:
-            per_fetch_fwd, per_fetch_bwd = kv_bytes / link, (3 * q_bytes + seg * h * 4) / link
-            exposed = passes_fwd * u * (u - 1) / 2 * max(0.0, per_fetch_fwd - tile_s)
-            exposed += u * (u + 1) / 2 * max(0.0, per_fetch_bwd - 2.5 * tile_s)
-        else:
-            exposed = total
-        walk.add("FPDT offload", "host transfers", total * lay.attention_layers, exposed * lay.attention_layers,
-                 note="each fetch hidden behind one tile's attention when shorter")  # fmt: skip
+# ---------------------------------------------------------------------------------------------------------
+# Host transfers and the optimizer
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _host_transfers(lay: _PerRank, dev: DeviceSpec, times: _ComputeTimes, walk: _Walk) -> None:
+    """The host link's traffic: FPDT's offloaded chunks, offloaded activations, ``cpu_offload``'s shards."""
+    if lay.fpdt and lay.offload and lay.attention_layers and times.tiles:
+        _fpdt_offload(lay, dev, times.tiles, walk)
     if lay.activation_offload:
-        nbytes = lay.t * s.d * lay.r
-        one = nbytes / link
-        layer = parts["layer_s"]
-        exposed = (
-            s.layers * (max(0.0, one - layer / 4) + max(0.0, one - layer / 2))
-            if dev.overlap
-            else 2 * s.layers * one
-        )
-        walk.add("activation offload", "host transfers", 2 * s.layers * one, exposed,
-                 note=f"{nbytes / 2**20:.4g} MiB per layer out and back, behind a layer's compute")  # fmt: skip
+        _activation_offload(lay, dev, times.layer_s, walk)
     if lay.cpu_offload:
-        n = lay.shard
-        shard = lay.block_local * lay.w / n
-        per_block = shard / link
-        seconds = s.layers * 3 * per_block + lay.root_local * lay.w / n / link
-        layer = parts["layer_s"]
-        exposed = s.layers * max(0.0, 3 * per_block - layer) if dev.overlap else seconds
-        walk.add("cpu_offload shards", "host transfers", seconds, exposed,
-                 note="each block's shard in twice, its gradient out once")  # fmt: skip
+        _cpu_offload_shards(lay, dev, times.layer_s, walk)
 
 
-def _optimizer(lay: _Layout, dev: DeviceSpec, per_node: int, walk: _Walk) -> None:
+def _fpdt_offload(lay: _PerRank, dev: DeviceSpec, tiles: tuple[float, int], walk: _Walk) -> None:
+    """FPDT's chunks through the host link: each fetch hidden behind one tile's attention when shorter."""
+    s, link = lay.shape, dev.host_link_bandwidth
+    tile_s, u = tiles
+    hd, h, kv = s.head_dim, lay.heads_per_rank, lay.kv_per_rank
+    seg = lay.segment  # tokens of one segment (b included)
+    kv_bytes = seg * kv * hd * 2 * lay.m
+    q_bytes = seg * h * hd * lay.qa
+    # to the host once: q, out, k, v, lse of every chunk; back: the older kv chunks for every segment in
+    # forward; in backward each outer step's kv chunk, and per tile q, out, dout and lse
+    store = u * (2 * q_bytes + kv_bytes + seg * h * 4)
+    fetch_fwd = u * (u - 1) / 2 * kv_bytes
+    fetch_bwd = u * kv_bytes + u * (u + 1) / 2 * (3 * q_bytes + seg * h * 4)
+    passes_fwd = 2 if lay.checkpointing else 1
+    total = (passes_fwd * (store + fetch_fwd) + fetch_bwd) / link
+    if dev.overlap:
+        per_fetch_fwd, per_fetch_bwd = kv_bytes / link, (3 * q_bytes + seg * h * 4) / link
+        exposed = passes_fwd * u * (u - 1) / 2 * max(0.0, per_fetch_fwd - tile_s)
+        exposed += u * (u + 1) / 2 * max(0.0, per_fetch_bwd - 2.5 * tile_s)
+    else:
+        exposed = total
+    walk.add("FPDT offload", "host transfers", total * lay.attention_layers, exposed * lay.attention_layers,
+             note="each fetch hidden behind one tile's attention when shorter")  # fmt: skip
+
+
+def _activation_offload(lay: _PerRank, dev: DeviceSpec, layer_s: float, walk: _Walk) -> None:
+    """Each checkpointed layer input out in forward, in for backward, behind one layer's compute."""
+    s = lay.shape
+    nbytes = lay.t * s.d * lay.r
+    one = nbytes / dev.host_link_bandwidth
+    exposed = (
+        s.layers * (max(0.0, one - layer_s / 4) + max(0.0, one - layer_s / 2))
+        if dev.overlap
+        else 2 * s.layers * one
+    )
+    walk.add("activation offload", "host transfers", 2 * s.layers * one, exposed,
+             note=f"{nbytes / 2**20:.4g} MiB per layer out and back, behind a layer's compute")  # fmt: skip
+
+
+def _cpu_offload_shards(lay: _PerRank, dev: DeviceSpec, layer_s: float, walk: _Walk) -> None:
+    """``cpu_offload``: each block's shard in twice (forward, backward), its gradient out once."""
+    s, link, n = lay.shape, dev.host_link_bandwidth, lay.shard
+    shard = lay.block_local * lay.w / n
+    per_block = shard / link
+    seconds = s.layers * 3 * per_block + lay.root_local * lay.w / n / link
+    exposed = s.layers * max(0.0, 3 * per_block - layer_s) if dev.overlap else seconds
+    walk.add("cpu_offload shards", "host transfers", seconds, exposed,
+             note="each block's shard in twice, its gradient out once")  # fmt: skip
+
+
+def _optimizer(lay: _PerRank, dev: DeviceSpec, per_node: int, walk: _Walk) -> None:
+    """AdamW's step: ~10 bytes per parameter byte of the rank's shard, through device memory, or under
+    ``cpu_offload`` the host's DRAM shared by the node's ranks."""
     if not lay.states and lay.optimizer != "sgd":
         return
     nbytes = OPTIMIZER_BYTES_PER_PARAM_BYTE * lay.grad_bytes
@@ -638,192 +738,9 @@ def _optimizer(lay: _Layout, dev: DeviceSpec, per_node: int, walk: _Walk) -> Non
     walk.add("optimizer step", "optimizer", seconds, note=f"{nbytes / 2**30:.3g} GiB moved {note}")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# A CPU, measured
-# ---------------------------------------------------------------------------------------------------------
-
-
-def calibrate_cpu(*, path: str | Path | None = None, threads: int = 1, seconds: float = 1.0) -> DeviceSpec:
-    """Measure this machine as a "device" for :func:`estimate_step_time` (``gpu=calibrate_cpu()``), in ~10 s:
-    fp32 matmul FLOP/s (a linear layer's forward, input-gradient and weight-gradient GEMMs), the fused CPU
-    attention kernel's forward / backward FLOP/s, causal and full, at 256 to 8192 tokens, a copy's memory
-    bandwidth, the host time per operator of an eager Hugging Face step, and gloo's all-to-all bandwidth
-    between two local processes. Rates are per ``threads`` threads (one rank); ``cores`` = ``os.cpu_count()``.
-    ``path``: also write it as JSON (:func:`~lightning_longctx.planner.devices.load_spec` reads it back)."""
-    import torch
-
-    torch.set_num_threads(threads)
-    budget = max(0.02, seconds / 26)  # 26 timed pieces
-
-    def rate(fn: Any, work: float) -> float:
-        fn()
-        n, start = 0, time.perf_counter()
-        while True:
-            fn()
-            n += 1
-            elapsed = time.perf_counter() - start
-            if elapsed > budget:
-                return work * n / elapsed
-
-    # the three GEMMs of a linear layer's training step: forward, input gradient, weight gradient (K = tokens)
-    x, w, dy = torch.randn(4096, 256), torch.randn(256, 768), torch.randn(4096, 768)
-    gemms = ((x, w), (dy, w.t()), (x.t(), dy))
-    work = 2.0 * 4096 * 256 * 768
-    matmul = 3 * work / sum(work / rate(lambda a=a, b=b: a @ b, work) for a, b in gemms)
-    x = torch.empty(32 << 20)  # 128 MiB: past the caches
-    y = torch.empty_like(x)
-    bandwidth = rate(lambda: y.copy_(x), 2.0 * x.numel() * 4)
-    latency = _eager_op_latency(rate)
-    lengths = (256, 512, 1024, 2048, 4096, 8192)
-    measured = tuple(
-        (n, *_cpu_attention_rates(n, budget, True), *_cpu_attention_rates(n, budget, False)) for n in lengths
-    )
-    ref = measured[lengths.index(2048)]
-    a2a = _gloo_all_to_all_bandwidth(budget)
-    cores = os.cpu_count() or 1
-    spec = DeviceSpec(
-        name=f"CPU ({cores} cores, {threads} thread(s) per rank, measured)",
-        peak_flops=matmul, matmul_flops=matmul,
-        attention={"cpu-flash": KernelRate(ref[1], ref[2], half_tokens=0, reference_tokens=2048, measured=measured)},
-        default_kernel="cpu-flash", memory_bandwidth=bandwidth, intra_node_bandwidth=a2a,
-        inter_node_bandwidth=a2a, host_link_bandwidth=bandwidth, host_memory_bandwidth=bandwidth,
-        device_memory=_host_memory_bytes(), op_latency=latency, overlap=False, cores=cores,
-        source=f"calibrate_cpu() at {time.strftime('%Y-%m-%d %H:%M:%S')}, load average {os.getloadavg()[0]:.2f}",
-    )  # fmt: skip
-    if path is not None:
-        Path(path).write_text(json.dumps(spec.to_dict(), indent=2))
-    return spec
-
-
-def _eager_op_latency(rate: Any) -> float:
-    """Host seconds per operator on the real eager path: a forward + backward + AdamW step of a one-layer
-    Hugging Face Llama on 8 tokens of width 32 (Python module calls, autograd bookkeeping and dispatch, no
-    arithmetic to speak of), over its operators (``OPS_OPTIMIZER`` + a layer's three passes)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=2, vocab_size=32, attn_implementation="sdpa")  # fmt: skip
-    model = LlamaForCausalLM(cfg)
-    opt = torch.optim.AdamW(model.parameters(), foreach=True)
-    ids = torch.randint(0, 32, (1, 8))
-
-    def step() -> None:
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    return 1.0 / rate(step, 1.0) / (OPS_OPTIMIZER + 3 * OPS_PER_LAYER)
-
-
-def _host_memory_bytes() -> int:
-    """The machine's RAM (a CPU device's memory), from sysconf; 0 where unknown."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def _cpu_attention_rates(n: int, budget: float, causal: bool) -> tuple[float, float]:
-    """Forward and backward FLOP/s (FlashAttention's convention: a causal call counts half) of the fused CPU
-    attention op on ``(1, 4, n, 64)``."""
-    import torch
-
-    q, k, v = (torch.randn(1, 4, n, 64) for _ in range(3))
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    flops = 4.0 * 4 * 64 * n * n / (2 if causal else 1)
-
-    def timed(fn: Any) -> float:
-        fn()
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < budget:
-            fn()
-            count += 1
-        return (time.perf_counter() - start) / count
-
-    out, lse = op(q, k, v, 0.0, causal)
-    fwd = timed(lambda: op(q, k, v, 0.0, causal))
-    dout = torch.randn_like(out)
-    bwd_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    bwd = timed(lambda: bwd_op(dout, q, k, v, out, lse, 0.0, causal))
-    return flops / fwd, 2.5 * flops / bwd
-
-
-def _gloo_all_to_all_bandwidth(budget: float) -> float:
-    """Bytes per second one of two local gloo ranks sends in ``all_to_all_single`` (4 MiB per rank). The ranks
-    are fresh interpreters (``python -c``), so calibrating works from any script, ``__main__`` guard or not."""
-    import subprocess
-    import sys
-
-    port = _free_port()
-    code = "import sys; from lightning_longctx.planner.step_time import _a2a_worker as w; w(*map(float, sys.argv[1:]))"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(rank), "2", str(port), str(budget)],
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        for rank in range(2)
-    ]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError(
-            f"calibrate_cpu: the gloo all-to-all ranks failed (exit codes {[p.returncode for p in procs]})"
-        )
-    return min(float(out.strip().splitlines()[-1]) for out in outs)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _a2a_worker(rank: float, world: float, port: float, budget: float) -> None:
-    """One rank of :func:`_gloo_all_to_all_bandwidth`: prints the bytes per second it sent."""
-    import torch
-    import torch.distributed as dist
-
-    from lightning_longctx.parallel import comm
-
-    torch.set_num_threads(1)
-    r, n = int(rank), int(world)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port)}", rank=r, world_size=n)
-    try:
-        x = torch.randn(1 << 20)  # 4 MiB, half of it to the peer
-        y = torch.empty_like(x)
-        dist.all_to_all_single(y, x)  # the measured collective itself (the one raw call outside comm.py)
-        comm.barrier()
-        count, start = 0, time.perf_counter()
-        while True:
-            dist.all_to_all_single(y, x)
-            count += 1
-            flag = torch.tensor([int(time.perf_counter() - start > budget)])
-            comm.all_reduce_(flag, op="min")
-            if flag.item():
-                break
-        print(count * x.numel() * 4 * (n - 1) / n / (time.perf_counter() - start), flush=True)
-    finally:
-        dist.destroy_process_group()
-
-
-def cpu_spec(path: str | Path | None = None) -> DeviceSpec:
-    """The CPU spec stored at ``path`` when it exists, else a fresh :func:`calibrate_cpu` (written there)."""
-    from lightning_longctx.planner.devices import load_spec
-
-    if path is not None and Path(path).is_file():
-        return load_spec(path)
-    return calibrate_cpu(path=path)
-
-
 __all__ = [
     "StepTimeEstimate",
     "TimeComponent",
-    "calibrate_cpu",
-    "cpu_spec",
     "estimate_step_time",
     "format_seconds",
 ]

@@ -1,4 +1,4 @@
-"""The memory terms: one small function per memory component, each a :class:`_Term` of a :class:`_Layout`.
+"""The memory terms: one small function per memory component, each a :class:`_Term` of a :class:`_PerRank`.
 
 Rows in table order are ``_ORDER``; when each term is alive is the phase table's (``phases.py``). Notation as
 in the package docstring: ``t`` local tokens, ``w`` / ``pw`` / ``m`` / ``r`` master-parameter / compute-
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_longctx.planner.layout import _Layout
+from lightning_longctx.config import DataParallel
+from lightning_longctx.planner.layout import _PerRank
 from lightning_longctx.planner.report import format_bytes
 from lightning_longctx.planner.shapes import (
     _LLAMA_BLOCK,
@@ -59,7 +60,7 @@ class _Term:
     note: str = ""
 
 
-def _placed(lay: _Layout, row: str, nbytes: int, note: str = "") -> _Term:
+def _placed(lay: _PerRank, row: str, nbytes: int, note: str = "") -> _Term:
     """A model-state term: on the device, or on the host with ``cpu_offload``."""
     return _Term(row, 0, nbytes, note) if lay.cpu_offload else _Term(row, nbytes, 0, note)
 
@@ -67,7 +68,7 @@ def _placed(lay: _Layout, row: str, nbytes: int, note: str = "") -> _Term:
 # ---- parameters, gradients, optimizer ----
 
 
-def _weights(lay: _Layout) -> _Term:
+def _weights(lay: _PerRank) -> _Term:
     n = lay.local_params + lay.lora
     note = f"{n:,} params" + (f" of {lay.shape.params:,} (tp {lay.tp})" if lay.tp > 1 else "")
     note += f" x {lay.w} B" + (f" / {lay.shard} (FSDP)" if lay.shard > 1 else "")
@@ -75,16 +76,16 @@ def _weights(lay: _Layout) -> _Term:
     return _placed(lay, "weights", lay.weight_bytes, note + (" (cpu_offload)" if lay.cpu_offload else ""))
 
 
-def _sharded_gradients(lay: _Layout) -> _Term:
+def _sharded_gradients(lay: _PerRank) -> _Term:
     """FSDP's sharded gradients (in the master weights' dtype: the MixedPrecisionPolicy reduces in fp32).
     DDP's gradients are views into its buckets (``gradient_as_bucket_view``)."""
-    if lay.data_parallel == "ddp":
+    if lay.data_parallel is DataParallel.DDP:
         return _Term("gradients", 0)
     note = "FSDP's sharded gradients, freed between forward and backward (Lightning's zero_grad)"
     return _placed(lay, "gradients", lay.grad_bytes, note)
 
 
-def _optimizer_state(lay: _Layout) -> _Term:
+def _optimizer_state(lay: _PerRank) -> _Term:
     """torch.optim keeps its states in the parameter dtype (Lightning's bf16-mixed: fp32 weights, no master
     copy), for the trainable parameters only (LoRA: the adapters)."""
     note = f"{lay.optimizer}: {lay.states} x trainable params x {lay.w} B" + (
@@ -93,41 +94,41 @@ def _optimizer_state(lay: _Layout) -> _Term:
     return _placed(lay, "optimizer state", lay.states * lay.grad_bytes, note)
 
 
-def _optimizer_step_temporary(lay: _Layout) -> _Term:
+def _optimizer_step_temporary(lay: _PerRank) -> _Term:
     """foreach AdamW: one temporary per state (sqrt of exp_avg_sq) during the step (noted with the state); on
     the host with ``cpu_offload``, where the step runs."""
     return _placed(lay, "optimizer state", lay.states * lay.grad_bytes // 2 if lay.states else 0)
 
 
-def _ddp_gradient_buckets(lay: _Layout) -> _Term:
+def _ddp_gradient_buckets(lay: _PerRank) -> _Term:
     """DDP's all-reduce buckets of the trainable parameters, allocated for the whole run (the strategy wraps
     in DDP even on one rank)."""
-    if lay.data_parallel != "ddp":
+    if lay.data_parallel is not DataParallel.DDP:
         return _Term("DDP gradient buckets", 0)
     note = "the gradients, as views into DDP's buckets (gradient_as_bucket_view=True)"
     return _Term("DDP gradient buckets", lay.trainable * lay.w, note=note)
 
 
-def _fsdp_root_params(lay: _Layout) -> _Term:
+def _fsdp_root_params(lay: _PerRank) -> _Term:
     """FSDP's root (embedding, head, final norm) stays unsharded for the step (``reshard_after_forward=False``),
     in the compute dtype (the MixedPrecisionPolicy all-gathers bf16); with tp its TP-local part."""
-    if lay.data_parallel != "fsdp":
+    if lay.data_parallel is not DataParallel.FSDP:
         return _Term("FSDP unsharded params/grads", 0)
     return _Term("FSDP unsharded params/grads", lay.root_local * lay.pw, note="root params")
 
 
-def _fsdp_blocks_in_flight(lay: _Layout) -> _Term:
+def _fsdp_blocks_in_flight(lay: _PerRank) -> _Term:
     """Two unsharded transformer blocks: the one running and the one prefetched (TP-local with tp)."""
-    if lay.data_parallel != "fsdp":
+    if lay.data_parallel is not DataParallel.FSDP:
         return _Term("FSDP unsharded params/grads", 0)
     block = lay.block_local + lay.lora_block
     return _Term("FSDP unsharded params/grads", 2 * block * lay.pw, note="2 blocks in flight")
 
 
-def _fsdp_block_gradients(lay: _Layout) -> _Term:
+def _fsdp_block_gradients(lay: _PerRank) -> _Term:
     """One block's unsharded gradients and their reduce-scatter input (a flat copy, in fp32 under the
     MixedPrecisionPolicy), and the root's unsharded gradients (trainable parameters only)."""
-    if lay.data_parallel != "fsdp":
+    if lay.data_parallel is not DataParallel.FSDP:
         return _Term("FSDP unsharded params/grads", 0)
     block, root = (lay.lora_block, 0) if lay.lora else (lay.block_local, lay.root_local)
     reduce_bytes = 4 if lay.mp_policy else lay.w  # the policy's reduce_dtype: fp32
@@ -135,7 +136,7 @@ def _fsdp_block_gradients(lay: _Layout) -> _Term:
     return _Term("FSDP unsharded params/grads", nbytes, note="block + root grads in backward")
 
 
-def _autocast_weight_copies(lay: _Layout) -> _Term:
+def _autocast_weight_copies(lay: _PerRank) -> _Term:
     """The low-precision weight casts linear saves for backward; FPDT's tiled MLP and chunked loss cast per
     chunk instead (their working sets count those)."""
     if not lay.casting:
@@ -148,7 +149,7 @@ def _autocast_weight_copies(lay: _Layout) -> _Term:
 # ---- activations kept for backward ----
 
 
-def _attention_store_bytes(lay: _Layout) -> int:
+def _attention_store_bytes(lay: _PerRank) -> int:
     """One layer's attention tensors in head layout: q, out, k, v and the log-sum-exp (FPDT: every chunk's,
     in host memory with offload). FPDT's blocks run in the autocast dtype, the lse too; else it is fp32. FPDT x
     ring keeps k and v stacked (one ring message: promoted to q's dtype) and the fp32 lse of its accumulators."""
@@ -158,7 +159,7 @@ def _attention_store_bytes(lay: _Layout) -> int:
     return 2 * lay.q_elems * lay.qa + lay.kv_elems * (lay.qa + lay.m) + lay.bn * lay.heads_per_rank * lse
 
 
-def _norm_bytes(lay: _Layout) -> int:
+def _norm_bytes(lay: _PerRank) -> int:
     """What one RMSNorm keeps for backward: Hugging Face's keeps its fp32 input and the normalised copy;
     FPDT tiles it (``enable_sequence_parallel``): only its input, in the residual dtype."""
     return (lay.r if lay.fpdt else 4 + lay.r) * lay.shape.d * lay.t
@@ -212,7 +213,7 @@ def _mamba2_token_bytes(s: _Mamba2Dims, m: int, casting: bool, adapter: bool) ->
     return conv + x + dt + chunk_mats + heads_state + heads_dim + states + norm + out_proj + correction
 
 
-def _mixer_bytes(lay: _Layout, kind: str) -> int:
+def _mixer_bytes(lay: _PerRank, kind: str) -> int:
     """One mixer's saved tensors after its layer's input norm: attention's q/k/v projections' inputs
     (autocast casts the normed input once per projection), its store and o_proj input; a recurrent mixer's
     projections' inputs and its tensors (the package's adapters run: ``adapter=True``)."""
@@ -229,14 +230,14 @@ def _mixer_bytes(lay: _Layout, kind: str) -> int:
     raise AssertionError(f"no layer kind {kind!r}")  # _blocks_of refuses unknown kinds
 
 
-def _layer_attention_bytes(lay: _Layout, block: _Block = _LLAMA_BLOCK) -> int:
+def _layer_attention_bytes(lay: _PerRank, block: _Block = _LLAMA_BLOCK) -> int:
     """One layer's saved tensors up to its MLP: the first RMSNorm's and its mixers' (:func:`_mixer_bytes`)."""
     if not block.mixers:
         return 0
     return _norm_bytes(lay) + sum(_mixer_bytes(lay, kind) for kind in block.mixers)
 
 
-def _layer_mlp_bytes(lay: _Layout, block: _Block = _LLAMA_BLOCK) -> int:
+def _layer_mlp_bytes(lay: _PerRank, block: _Block = _LLAMA_BLOCK) -> int:
     """One layer's saved tensors from its second RMSNorm on: the norm, the MLP's input(s) and its gate, act,
     up, act*up (their TP-local columns with tp; FPDT's tiled MLP keeps only its input and recomputes the
     rest). None for a block without an MLP (Mamba-2's)."""
@@ -250,17 +251,17 @@ def _layer_mlp_bytes(lay: _Layout, block: _Block = _LLAMA_BLOCK) -> int:
     return norm + copies * s.d * lay.m * t + (4 if s.gated else 2) * lay.inter_tp * lay.m * t
 
 
-def _offloaded_bytes(lay: _Layout, block: _Block) -> int:
+def _offloaded_bytes(lay: _PerRank, block: _Block) -> int:
     """FPDT offload: the attention chunks of a layer with attention are in host memory."""
     return _attention_store_bytes(lay) if lay.offload and ATTENTION in block.mixers else 0
 
 
-def _layer_device_bytes(lay: _Layout, block: _Block = _LLAMA_BLOCK) -> int:
+def _layer_device_bytes(lay: _PerRank, block: _Block = _LLAMA_BLOCK) -> int:
     """One layer's saved tensors on the device (FPDT's offloaded chunks are on the host)."""
     return _layer_attention_bytes(lay, block) + _layer_mlp_bytes(lay, block) - _offloaded_bytes(lay, block)
 
 
-def _saved_activations(lay: _Layout) -> _Term:
+def _saved_activations(lay: _PerRank) -> _Term:
     """Without checkpointing: every layer's saved tensors but the last one's (see the next two terms)."""
     if lay.checkpointing:
         return _Term(_ACTS, 0)
@@ -271,18 +272,18 @@ def _saved_activations(lay: _Layout) -> _Term:
     return _Term(_ACTS, sum(_layer_device_bytes(lay, b) for b in lay.blocks[:-1]), note=note)
 
 
-def _attention_o_proj_bytes(lay: _Layout) -> int:
+def _attention_o_proj_bytes(lay: _PerRank) -> int:
     """The o_proj's saved input (the attention output in sequence layout, this TP rank's heads)."""
     return lay.heads_tp * lay.shape.head_dim * lay.m * lay.t
 
 
-def _o_proj_input_bytes(lay: _Layout, block: _Block = _LLAMA_BLOCK) -> int:
+def _o_proj_input_bytes(lay: _PerRank, block: _Block = _LLAMA_BLOCK) -> int:
     """A layer's attention o_proj input: freed by the o_proj's backward, before the attention's backward runs
     (a recurrent mixer's out_proj input is counted with the mixer)."""
     return _attention_o_proj_bytes(lay) if ATTENTION in block.mixers else 0
 
 
-def _last_layer_attention_activations(lay: _Layout) -> _Term:
+def _last_layer_attention_activations(lay: _PerRank) -> _Term:
     """Without checkpointing: the last layer's saved tensors up to its MLP (on the device), but its o_proj
     input (:func:`_last_layer_o_proj_input`)."""
     if lay.checkpointing:
@@ -293,18 +294,18 @@ def _last_layer_attention_activations(lay: _Layout) -> _Term:
     )
 
 
-def _last_layer_o_proj_input(lay: _Layout) -> _Term:
+def _last_layer_o_proj_input(lay: _PerRank) -> _Term:
     """Without checkpointing: the last layer's o_proj input, alive until the layer's attention backward."""
     return _Term(_ACTS, 0 if lay.checkpointing else _o_proj_input_bytes(lay, lay.blocks[-1]))
 
 
-def _last_layer_mlp_activations(lay: _Layout) -> _Term:
+def _last_layer_mlp_activations(lay: _PerRank) -> _Term:
     """Without checkpointing: the last layer's MLP tensors. They do not exist yet while its attention runs
     forward, and are freed when its attention runs backward."""
     return _Term(_ACTS, 0 if lay.checkpointing else _layer_mlp_bytes(lay, lay.blocks[-1]))
 
 
-def _checkpointed_inputs(lay: _Layout) -> _Term:
+def _checkpointed_inputs(lay: _PerRank) -> _Term:
     """With checkpointing: each layer's input ``(b, N/P, d)`` on the device (on the host with activation
     offload: :func:`_activation_offload_store`)."""
     if not lay.checkpointing:
@@ -313,12 +314,12 @@ def _checkpointed_inputs(lay: _Layout) -> _Term:
     return _Term(_ACTS, inputs, note="layer inputs (checkpointed)")
 
 
-def _model_inputs(lay: _Layout) -> _Term:
+def _model_inputs(lay: _PerRank) -> _Term:
     """The batch's int64 ids (input_ids, labels, shift_labels, position_ids) and the RoPE cos/sin tables."""
     return _Term(_ACTS, 4 * 8 * lay.t + 2 * lay.shape.head_dim * lay.r * lay.t)
 
 
-def _final_norm_and_head_input(lay: _Layout) -> _Term:
+def _final_norm_and_head_input(lay: _PerRank) -> _Term:
     """The final RMSNorm's saved tensors and the head's input (FPDT's chunked loss: hidden states + lse;
     Hugging Face: lm_head's matmul-dtype input); freed in the loss backward."""
     s, t = lay.shape, lay.t
@@ -326,12 +327,12 @@ def _final_norm_and_head_input(lay: _Layout) -> _Term:
     return _Term(_ACTS, _norm_bytes(lay) + head_in)
 
 
-def _running_layer_input(lay: _Layout) -> _Term:
+def _running_layer_input(lay: _PerRank) -> _Term:
     """Activation offload: the running layer's input stays on the device while it runs forward."""
     return _Term(_ACTS, lay.shape.d * lay.r * lay.t if lay.activation_offload else 0)
 
 
-def _prefetched_layer_inputs(lay: _Layout) -> _Term:
+def _prefetched_layer_inputs(lay: _PerRank) -> _Term:
     """Activation offload, backward: the recomputed layer's input and the one prefetched for the layer
     before it."""
     if not lay.activation_offload:
@@ -339,7 +340,7 @@ def _prefetched_layer_inputs(lay: _Layout) -> _Term:
     return _Term(_ACTS, min(2, lay.shape.layers) * lay.shape.d * lay.r * lay.t)
 
 
-def _fpdt_chunk_store(lay: _Layout) -> _Term:
+def _fpdt_chunk_store(lay: _PerRank) -> _Term:
     """FPDT offload without checkpointing: every layer's attention chunks in host memory (saved tensors of
     its autograd node). With checkpointing the checkpoint drops them after each layer's forward: see
     :func:`_running_layer_chunk_store` and the recomputed layer's."""
@@ -349,14 +350,14 @@ def _fpdt_chunk_store(lay: _Layout) -> _Term:
     return _Term(_ACTS, 0, host, note="host: FPDT chunks (offload)")
 
 
-def _running_layer_chunk_store(lay: _Layout) -> _Term:
+def _running_layer_chunk_store(lay: _PerRank) -> _Term:
     """FPDT offload with checkpointing: the running layer's chunks, on the host until its forward ends."""
     if not (lay.offload and lay.checkpointing and lay.attention_layers):
         return _Term(_ACTS, 0)
     return _Term(_ACTS, 0, _attention_store_bytes(lay), note="host: one layer's FPDT chunks (offload)")
 
 
-def _activation_offload_store(lay: _Layout) -> _Term:
+def _activation_offload_store(lay: _PerRank) -> _Term:
     """Activation offload: every layer's checkpointed input in host memory."""
     if not lay.activation_offload:
         return _Term(_ACTS, 0)
@@ -367,7 +368,7 @@ def _activation_offload_store(lay: _Layout) -> _Term:
 # ---- the loss ----
 
 
-def _loss_forward(lay: _Layout) -> _Term:
+def _loss_forward(lay: _PerRank) -> _Term:
     """FPDT's chunked lm_head + loss: one logits block (+ its matmul-dtype original) and logsumexp's exp, the
     head's per-chunk cast. Hugging Face: the whole logits (+ their fp32 copy) and the log-softmax. (The
     row's note is the backward's.)"""
@@ -379,7 +380,7 @@ def _loss_forward(lay: _Layout) -> _Term:
     return _Term("loss working set", lay.t * s.vocab * (lay.m + ct + (ct if lay.m != ct else 0)))
 
 
-def _loss_backward(lay: _Layout) -> _Term:
+def _loss_backward(lay: _PerRank) -> _Term:
     """FPDT: the recomputed block, exp, softmax - onehot, where(), * grad (two fp32 blocks with a soft-cap),
     the head's fp32 gradient accumulator and the hidden states' gradient. Vocabulary parallel: blocks and
     accumulator of this rank's ``V / tp`` rows; the hidden states' gradient is summed over the tp ranks in
@@ -404,19 +405,19 @@ def _loss_backward(lay: _Layout) -> _Term:
 # ---- one layer's working sets ----
 
 
-def _fpdt_score_tile_bytes(lay: _Layout) -> int:
+def _fpdt_score_tile_bytes(lay: _PerRank) -> int:
     """One math score tile ``(b, H/P, tile, tile)`` in the blocks' dtype and its boolean mask."""
     b, tile = lay.b, lay.tile
     return b * lay.heads_per_rank * tile * tile * (lay.m if lay.autocast else lay.ct) + b * tile * tile
 
 
-def _residual_gradient_bytes(lay: _Layout) -> int:
+def _residual_gradient_bytes(lay: _PerRank) -> int:
     """The residual stream's gradient in backward (Hugging Face's norm backward runs in fp32; FPDT's tiled
     norm in fp32 per chunk only)."""
     return lay.shape.d * (lay.r if lay.fpdt else max(lay.r, 4)) * lay.t
 
 
-def _attention_forward(lay: _Layout) -> _Term:
+def _attention_forward(lay: _PerRank) -> _Term:
     """FPDT: the outputs gathered so far, one segment (q, its fp32 accumulator and merge, the next q and kv
     in flight), a score tile and, with offload, the double-buffered kv prefetch (2 fetched k, v steps).
     Ulysses: none (the kernel's out and lse are kept activations; O(1) workspace). A ring: its fp32 output
@@ -436,7 +437,7 @@ def _attention_forward(lay: _Layout) -> _Term:
     return _Term("attention working set", nbytes)
 
 
-def _attention_backward(lay: _Layout) -> _Term:
+def _attention_backward(lay: _PerRank) -> _Term:
     """FPDT: the output's gradient throughout; early: every segment's dout and fp32 dq accumulator (the first
     kv segment reaches all q segments), two score tiles and, with offload, the chunks fetched back from the
     host; late: dq/dk/dv of every chunk and their concatenation. Ulysses: the output's gradient in both
@@ -470,7 +471,7 @@ def _attention_backward(lay: _Layout) -> _Term:
     return _Term("attention working set", nbytes + _residual_gradient_bytes(lay), note=note)
 
 
-def _all_to_all_buffers(lay: _Layout) -> _Term:
+def _all_to_all_buffers(lay: _PerRank) -> _Term:
     """FPDT: send + receive of one chunk; Ulysses (head_to_seq): the reshaped copy and the send buffer. Both of
     this TP rank's heads. With a ring (over U ranks; none at U = 1) they are one of its moments instead
     (:func:`_ring_forward_moment`): none of them is alive while the ring's loop runs. FPDT x ring: FPDT's, one
@@ -496,7 +497,7 @@ def _all_to_all_buffers(lay: _Layout) -> _Term:
 # previous call's outputs stay alive until the next call returns (Python rebinds the names after the call).
 
 
-def _ring_forward_moment(lay: _Layout) -> tuple[int, int]:
+def _ring_forward_moment(lay: _PerRank) -> tuple[int, int]:
     """``(ring buffers, attention working set)`` at the largest moment of ring attention's forward: a kernel
     call merging, with two k/v blocks (the visiting one and the next arriving), the fp32 output accumulator,
     and the call's fp32 output, the merge's two products and their sum (and five log-sum-exp-sized
@@ -509,13 +510,13 @@ def _ring_forward_moment(lay: _Layout) -> tuple[int, int]:
     return max(loop, (0, _ring_all_to_all_bytes(lay)), key=sum)
 
 
-def _ring_all_to_all_bytes(lay: _Layout) -> int:
+def _ring_all_to_all_bytes(lay: _PerRank) -> int:
     """With U > 1, the send and receive buffers of one all-to-all over the Ulysses group (Ulysses' count),
     before and after the ring's loop."""
     return 2 * lay.t * lay.heads_tp * lay.shape.head_dim * lay.m if lay.ulysses > 1 else 0
 
 
-def _ring_backward_moment(lay: _Layout) -> tuple[int, int]:
+def _ring_backward_moment(lay: _PerRank) -> tuple[int, int]:
     """``(ring buffers, attention working set)`` at the largest moment of ring attention's backward; the
     output's gradient ``dout`` (head layout), ``delta = rowsum(dout * out)`` and the fp32 dq accumulator are
     alive throughout. A kernel call holds the previous call's fp32 dq/dk/dv and its own, in the kernel's
@@ -553,7 +554,7 @@ def _ring_backward_moment(lay: _Layout) -> tuple[int, int]:
 # bytes of a real ``fpdt_ring_attention`` (tests/test_planner.py).
 
 
-def _fpdt_ring_segments(lay: _Layout) -> tuple[int, int, int, int]:
+def _fpdt_ring_segments(lay: _PerRank) -> tuple[int, int, int, int]:
     """``(seg_q, seg_kv, kv_seg, block)`` of FPDT x ring: one segment's q and k (elements), one stacked k/v
     segment and one k/v block (bytes, in q's dtype: ``torch.stack`` promotes v)."""
     hd = lay.shape.head_dim
@@ -561,14 +562,14 @@ def _fpdt_ring_segments(lay: _Layout) -> tuple[int, int, int, int]:
     return seg_q, seg_kv, 2 * seg_kv * lay.qa, lay.ring_block_bytes
 
 
-def _fpdt_ring_kv_stores(lay: _Layout) -> tuple[int, int]:
+def _fpdt_ring_kv_stores(lay: _PerRank) -> tuple[int, int]:
     """``(device, host)`` bytes of the ring's k/v stores while a step computes (see above)."""
     _, _, kv_seg, block = _fpdt_ring_segments(lay)
     stores = (2 if lay.ring > 2 else 1) * block
     return (2 * kv_seg, stores - kv_seg) if lay.offload else (stores, 0)
 
 
-def _fpdt_ring_forward_moments(lay: _Layout) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+def _fpdt_ring_forward_moments(lay: _PerRank) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """``(ring buffers device, ring buffers host, attention working set)`` at the two largest moments of FPDT x
     ring's forward. In the ring steps (a unit computing): the k/v stores (:func:`_fpdt_ring_kv_stores`); the
     fp32 out/lse accumulators of ALL K local segments (``_SegmentAcc``: ``(b, N/r, H/U, hd)`` and its lse); one
@@ -586,13 +587,13 @@ def _fpdt_ring_forward_moments(lay: _Layout) -> tuple[tuple[int, int, int], tupl
     return loop, (0, 0, 2 * lay.q_elems * lay.qa + seg_q * ct + seg_lse)
 
 
-def _fpdt_ring_forward_moment(lay: _Layout) -> tuple[int, int, int]:
+def _fpdt_ring_forward_moment(lay: _PerRank) -> tuple[int, int, int]:
     """The larger on the device of :func:`_fpdt_ring_forward_moments` (the ring steps' on a tie)."""
     loop, end = _fpdt_ring_forward_moments(lay)
     return loop if loop[0] + loop[2] >= end[0] + end[2] else end
 
 
-def _fpdt_ring_backward_moment(lay: _Layout) -> tuple[int, int, int, int]:
+def _fpdt_ring_backward_moment(lay: _PerRank) -> tuple[int, int, int, int]:
     """``(ring buffers device, ring buffers host, attention working set device, host)`` at the largest moment
     of FPDT x ring's backward (a unit computing in the last ring step). Ring buffers: the k/v stores as forward;
     the visiting segment's fp32 dk/dv; the K dk/dv passes one hop behind (``behind``: each its send and receive
@@ -613,7 +614,7 @@ def _fpdt_ring_backward_moment(lay: _Layout) -> tuple[int, int, int, int]:
     return ring, host, work, dout_delta if lay.offload else 0
 
 
-def _ring_forward_buffers(lay: _Layout) -> _Term:
+def _ring_forward_buffers(lay: _PerRank) -> _Term:
     """The ring's k/v blocks in flight during the forward (:func:`_ring_forward_moment`; FPDT x ring:
     :func:`_fpdt_ring_forward_moment`, the host's with offload)."""
     if lay.ring == 1 or not lay.attention_layers:
@@ -624,7 +625,7 @@ def _ring_forward_buffers(lay: _Layout) -> _Term:
     return _Term("ring buffers", _ring_forward_moment(lay)[0])
 
 
-def _ring_backward_buffers(lay: _Layout) -> _Term:
+def _ring_backward_buffers(lay: _PerRank) -> _Term:
     """The ring's k/v blocks and fp32 dk/dv blocks during the backward (:func:`_ring_backward_moment`)."""
     if lay.ring == 1 or not lay.attention_layers:
         return _Term("ring buffers", 0)
@@ -646,7 +647,7 @@ def _ring_backward_buffers(lay: _Layout) -> _Term:
     return _Term("ring buffers", _ring_backward_moment(lay)[0], note=note)
 
 
-def _state_exchange_buffers(lay: _Layout) -> _Term:
+def _state_exchange_buffers(lay: _PerRank) -> _Term:
     """Recurrent layers (no all-to-all): the all-gathered per-segment state summaries of the exclusive affine
     scan, fp32, for every segment of the sequence (``P`` ranks x local segments x b). GDN: ``[M | B]``,
     ``heads x dk x (dk + dv)``; Mamba-2: the scalar decay and the state, ``heads x (1 + p x n)``. Backward
@@ -663,7 +664,7 @@ def _state_exchange_buffers(lay: _Layout) -> _Term:
     return _Term("state exchange buffers", max(sizes.values()), note=note)
 
 
-def _mlp_forward(lay: _Layout) -> _Term:
+def _mlp_forward(lay: _PerRank) -> _Term:
     """FPDT's tiled MLP: its output (+ its input's copy) and one chunk without grad (+ the weights' casts).
     Ulysses: the MLP's output. (Noted with the backward.)"""
     s = lay.shape
@@ -677,7 +678,7 @@ def _mlp_forward(lay: _Layout) -> _Term:
                  + lay.mlp_weights * lay.chunk_casts)  # fmt: skip
 
 
-def _mlp_backward(lay: _Layout) -> _Term:
+def _mlp_backward(lay: _PerRank) -> _Term:
     """FPDT's tiled MLP: grad_x and one chunk recomputed with grad (+ the casts). Ulysses: the activation's
     gradients (act*up is freed). Both: the residual stream's gradient."""
     s = lay.shape
@@ -698,12 +699,12 @@ def _mlp_backward(lay: _Layout) -> _Term:
     return _Term("MLP working set", nbytes + _residual_gradient_bytes(lay), note=note)
 
 
-def _recomputed_block(lay: _Layout) -> _Block:
+def _recomputed_block(lay: _PerRank) -> _Block:
     """The layer kind whose recompute holds the most (a hybrid's heaviest layer: its backward is the peak)."""
     return max(set(lay.blocks), key=lambda b: (_layer_device_bytes(lay, b), b.mixers))
 
 
-def _recomputed_layer_attention(lay: _Layout) -> _Term:
+def _recomputed_layer_attention(lay: _PerRank) -> _Term:
     """Checkpointing: the recomputed layer's saved tensors up to its MLP (its FPDT chunks on the host with
     offload). Its first norm saves the checkpointed input itself: FPDT's tiled norm always, Hugging Face's
     when that input is fp32 already."""
@@ -716,11 +717,11 @@ def _recomputed_layer_attention(lay: _Layout) -> _Term:
     return _Term(_RECOMPUTE, device, _offloaded_bytes(lay, block), note="one layer recomputed in backward")
 
 
-def _recomputed_o_proj_input(lay: _Layout) -> _Term:
+def _recomputed_o_proj_input(lay: _PerRank) -> _Term:
     """Checkpointing: the recomputed layer's o_proj input, freed before its attention runs backward."""
     return _Term(_RECOMPUTE, _o_proj_input_bytes(lay, _recomputed_block(lay)) if lay.checkpointing else 0)
 
 
-def _recomputed_layer_mlp(lay: _Layout) -> _Term:
+def _recomputed_layer_mlp(lay: _PerRank) -> _Term:
     """Checkpointing: the recomputed layer's MLP tensors (freed by the time its attention runs backward)."""
     return _Term(_RECOMPUTE, _layer_mlp_bytes(lay, _recomputed_block(lay)) if lay.checkpointing else 0)

@@ -12,18 +12,24 @@ import os
 import lightning as L
 import torch.distributed as dist
 
-from helpers.hf_models import HFModule, TokenDataset, checkpointing_state, reference_training, tiny_model
-from helpers.launch import rank_environment
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.integrations.transformers import context_of
+from lightning_longctx.testing.hf_models import (
+    HFModule,
+    TokenDataset,
+    checkpointing_state,
+    reference_training,
+    tiny_model,
+)
+from lightning_longctx.testing.ranks import rank_environment
 
 SEQ = 24
 
 
 def lightning_env() -> None:
-    """Inside a :class:`~helpers.launch.DistPool` rank: torchrun's variables for this rank, so a Trainer takes
-    the pool's processes as launched externally (LOCAL_RANK: it launches none) and uses the default group the
-    pool initialised (the port is never dialled)."""
+    """Inside a :class:`~lightning_longctx.testing.DistPool` rank: torchrun's variables for this rank, so a
+    Trainer takes the pool's processes as launched externally (LOCAL_RANK: it launches none) and uses the
+    default group the pool initialised (the port is never dialled)."""
     port = int(os.environ.get("MASTER_PORT", "29500"))
     os.environ.update(rank_environment(dist.get_rank(), dist.get_world_size(), port))
 

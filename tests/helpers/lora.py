@@ -6,8 +6,8 @@ from __future__ import annotations
 import lightning as L
 import torch
 
-from helpers.hf_models import TokenDataset, reference_training, tiny_model
 from lightning_longctx.integrations.transformers import context_of
+from lightning_longctx.testing.hf_models import TokenDataset, reference_training, tiny_model
 
 SEQ, STEPS = 24, 2
 #: LoRA on the attention projections of Llama; on every linear layer of Qwen2 (the MLP too, which FPDT tiles).

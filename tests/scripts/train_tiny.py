@@ -16,17 +16,15 @@ import argparse
 import json
 import os
 import signal
-import sys
 
 import lightning as L
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from helpers.hf_models import HFModule, TokenDataset, tiny_model
 from lightning_longctx import UlyssesFPDTStrategy
 from lightning_longctx.data import ResumableDataLoader
 from lightning_longctx.lightning.callbacks import PeriodicCheckpoint
 from lightning_longctx.lightning.checkpoint import latest_checkpoint
+from lightning_longctx.testing import HFModule, TokenDataset, tiny_model
 
 
 class Module(HFModule):

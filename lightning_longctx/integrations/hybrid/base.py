@@ -30,7 +30,7 @@ from lightning_longctx.parallel.comm import (
     group_rank_size,
     halo_exchange,
 )
-from lightning_longctx.parallel.sharding import global_index
+from lightning_longctx.parallel.layout import SequenceLayout
 
 if TYPE_CHECKING:
     from lightning_longctx.integrations.context import SequenceParallelContext
@@ -97,15 +97,16 @@ def segment_order(
     """The global id of every rank's local segments (``comm.SegmentOrder``, the table every rank passes to
     the collectives): segment ``i`` of rank ``r`` holds global tokens ``[g*L, (g+1)*L)`` with ``L = segment``
     and ``g = index[i*L] // L``, ``index`` the layout's global index of rank ``r``'s tokens
-    (``sharding.global_index``, the map ``SequenceParallelContext.global_index`` reads). One rule for every
-    layout: Ulysses, FPDT, Ulysses x ring, FPDT x ring. No collective; a pure function of its arguments."""
+    (``SequenceLayout.global_index``, the map ``SequenceParallelContext.global_index`` reads). One rule for
+    every layout: Ulysses, FPDT, Ulysses x ring, FPDT x ring. No collective; a pure function of its arguments."""
     rows = []
     step = torch.arange(segment)
+    layout = SequenceLayout(sp=world, ring=ring, chunk_size=chunk_size).for_local(local_len)
     for rank in range(world):
-        index = global_index(local_len, rank=rank, world=world, chunk_size=chunk_size, ring=ring)
+        index = layout.global_index(local_len, rank)
         runs = index.view(-1, segment)  # (u, L)
         if bool((runs[:, 0] % segment).any()) or not torch.equal(runs, runs[:, :1] + step):
-            raise RuntimeError(  # an internal invariant of the layouts (sharding.py)
+            raise RuntimeError(  # an internal invariant of the layouts (parallel/layout.py)
                 f"the layout (world={world}, chunk_size={chunk_size}, ring={ring}) gives rank {rank} tokens that "
                 f"are not runs of {segment} consecutive global tokens aligned to {segment}: {index.tolist()}"
             )

@@ -68,6 +68,32 @@ def _blocked(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tens
     return fn(*args)
 
 
+def _refuse_unadapted(
+    sp: MixerCall,
+    return_last_state: bool,
+    kwargs: dict[str, Any],
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+) -> None:
+    """The selective-scan calls the adapter cannot make exact, refused by name."""
+    if return_last_state:  # the mixers ask for it only to fill a cache; the global state is not this rank's
+        sp.refuse("its selective scan with its final state out (a cache)")
+    if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
+        sp.refuse("its selective scan with packed-sequence indices (seq_idx / cu_seqlens)")
+    if B.dim() != 3 or C.dim() != 3 or A.is_complex():
+        sp.refuse("its selective scan with grouped or complex B/C/A (only real (b, n, l) B/C are adapted)")
+
+
+def _scan_delta(dts: torch.Tensor, delta_bias: torch.Tensor | None, softplus: bool) -> torch.Tensor:
+    """Δ as the scan sees it, in float32 as mamba-ssm's kernel computes it (the torch fallback computes it in
+    dt's dtype: the same for float32 models, within bf16 rounding of it otherwise)."""
+    delta = dts.float()
+    if delta_bias is not None:
+        delta = delta + delta_bias.float()[:, None]
+    return F.softplus(delta) if softplus else delta
+
+
 def selective_scan(
     sp: MixerCall,
     original: Callable[..., Any],
@@ -85,12 +111,7 @@ def selective_scan(
 ) -> torch.Tensor:
     """``hidden_states``/``dt``/``z`` ``(b, d, s/P)``, ``A`` ``(d, n)``, ``B``/``C`` ``(b, n, s/P)``, ``D``/``delta_bias``
     ``(d,)``; returns ``(b, d, s/P)``, as the model's function does."""
-    if return_last_state:  # the mixers ask for it only to fill a cache; the global state is not this rank's
-        sp.refuse("its selective scan with its final state out (a cache)")
-    if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
-        sp.refuse("its selective scan with packed-sequence indices (seq_idx / cu_seqlens)")
-    if B.dim() != 3 or C.dim() != 3 or A.is_complex():
-        sp.refuse("its selective scan with grouped or complex B/C/A (only real (b, n, l) B/C are adapted)")
+    _refuse_unadapted(sp, return_last_state, kwargs, A, B, C)
     local = hidden_states.shape[-1]
     c = sp.check(local)
     u = local // c
@@ -115,13 +136,7 @@ def selective_scan(
     if docs is not None:
         out = docs.scatter(out, 2)
 
-    # Δ as the scan sees it, in float32 as mamba-ssm's kernel computes it (the torch fallback computes it in
-    # dt's dtype: the same for float32 models, within bf16 rounding of it otherwise).
-    delta = dts.float()
-    if delta_bias is not None:
-        delta = delta + delta_bias.float()[:, None]
-    if delta_softplus:
-        delta = F.softplus(delta)
+    delta = _scan_delta(dts, delta_bias, delta_softplus)
     A32 = A.float()
     n_seg, d, _ = delta.shape
     n = A32.shape[-1]

@@ -11,7 +11,7 @@ Where the per-token losses come from (one mechanism, no second forward):
   per-token losses to an observer on the model's ``SequenceParallelContext`` (``ctx.loss_observer``, a
   :data:`~lightning_longctx.ops.loss.TokenLossObserver`): ``sequence_parallel_cross_entropy`` under Ulysses,
   the chunked lm_head + loss under FPDT (from the chunks' log-sum-exps: never full logits). The observer
-  places them at their GLOBAL positions: the layout's global token index (``sharding.global_index``,
+  places them at their GLOBAL positions: the layout's global token index (``SequenceLayout.global_index``,
   FPDT's strided chunks included) or the batch's global ``position_ids``.
 * a plain Hugging Face model (one device, no strategy): a forward hook computes them from the logits the
   model returns and the ``labels`` it was called with.
