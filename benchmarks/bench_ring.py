@@ -124,7 +124,7 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     from lightning_longctx.attention.ring import RingLayout, usp_attention
     from lightning_longctx.attention.ulysses import ulysses_attention
     from lightning_longctx.parallel.comm import count_all_to_all
-    from lightning_longctx.parallel.mesh import ParallelLayout, build_world_mesh
+    from lightning_longctx.parallel.mesh import ParallelDims, build_world_mesh
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -133,7 +133,7 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     q, k, v, dout = (torch.randn(b, n, h, d, generator=g).to(dtype) for _ in range(4))
     rows, steps, ref = [], [], None
     for ring in [r for r in args.rings if world % r == 0 and n % (2 * world) == 0]:
-        par = ParallelLayout(world_size=world, sp=world, ring=ring)
+        par = ParallelDims(world_size=world, sp=world, ring=ring)
         mesh = build_world_mesh(par, "cpu")
         layout = RingLayout(ring_size=max(ring, 1), seq_len=n, kind="zigzag" if ring > 1 else "contiguous")
         j, u, ulysses = par.ring_rank(rank), par.ulysses_rank(rank), par.ulysses

@@ -18,7 +18,7 @@ from typing import Literal
 
 from lightning_longctx.attention.fpdt import FPDT_BACKENDS
 from lightning_longctx.parallel.layout import SequenceLayout
-from lightning_longctx.parallel.mesh import ParallelLayout
+from lightning_longctx.parallel.mesh import ParallelDims
 from lightning_longctx.parallel.sharding import IGNORE_INDEX
 
 
@@ -243,9 +243,7 @@ class SequenceParallelConfig:
                 )
             ring = auto_ring_size(sp, max(1, heads // tp))
             self._check_ring(ring)
-        layout = ParallelLayout(
-            world_size=world_size, sp=sp, tp=tp, ring=ring, devices_per_node=devices_per_node
-        )
+        dims = ParallelDims(world_size=world_size, sp=sp, tp=tp, ring=ring, devices_per_node=devices_per_node)
         offload = (
             device_type == "cuda" and self.fpdt_chunk_size is not None
             if self.offload == "auto"
@@ -253,7 +251,7 @@ class SequenceParallelConfig:
         )
         return ResolvedConfig(
             settings=self,
-            layout=layout,
+            dims=dims,
             offload=bool(offload),
             activation_checkpointing=self.activation_checkpointing or self.activation_offload,
         )
@@ -264,14 +262,19 @@ class ResolvedConfig:
     """:class:`SequenceParallelConfig` settled for one world (:meth:`SequenceParallelConfig.resolve`).
 
     ``settings`` are the user's as given (read the plain ones there: ``config.settings.attention_backend``;
-    a new setting needs no line here); ``layout`` the dp x sp layout; ``offload`` and
+    a new setting needs no line here); ``dims`` the dp x sp x tp degrees (a ring inside sp); ``offload`` and
     ``activation_checkpointing`` the effective switches.
     """
 
     settings: SequenceParallelConfig
-    layout: ParallelLayout
+    dims: ParallelDims
     offload: bool
     activation_checkpointing: bool
+
+    @property
+    def layout(self) -> ParallelDims:
+        """The old name of :attr:`dims` (before 0.6; "layout" now names :attr:`sequence_layout` only)."""
+        return self.dims
 
     @property
     def mode(self) -> Mode:
@@ -279,26 +282,26 @@ class ResolvedConfig:
 
     @property
     def sp(self) -> int:
-        return self.layout.sp
+        return self.dims.sp
 
     @property
     def dp(self) -> int:
-        return self.layout.dp
+        return self.dims.dp
 
     @property
     def tp(self) -> int:
-        return self.layout.tp
+        return self.dims.tp
 
     @functools.cached_property
     def sequence_layout(self) -> SequenceLayout:
-        """Which tokens each sp rank holds (``parallel/layout.py``): ``sp`` ranks, ``layout.ring``, and the
+        """Which tokens each sp rank holds (``parallel/layout.py``): ``sp`` ranks, ``dims.ring``, and the
         configured ``fpdt_chunk_size``; built once, read by the batch sharding, the patched model and its
         attention."""
-        return SequenceLayout(sp=self.sp, ring=self.layout.ring, chunk_size=self.settings.fpdt_chunk_size)
+        return SequenceLayout(sp=self.sp, ring=self.dims.ring, chunk_size=self.settings.fpdt_chunk_size)
 
     def chunk_for(self, seq_len: int) -> int | None:
         """Tokens per FPDT chunk per rank for a global sequence of ``seq_len`` tokens (``None``: Ulysses)."""
         return self.sequence_layout.chunk_for(seq_len)
 
     def __str__(self) -> str:
-        return f"{self.layout}, mode={self.mode}"
+        return f"{self.dims}, mode={self.mode}"

@@ -31,7 +31,7 @@ from helpers.reference import reference_attention
 from lightning_longctx import gather_sequence, shard_sequence
 from lightning_longctx.attention import fpdt_attention, ulysses_attention
 from lightning_longctx.attention.ring import RING_LAYOUTS, RingLayout, usp_attention
-from lightning_longctx.parallel.mesh import ParallelLayout, WorldMesh, build_world_mesh
+from lightning_longctx.parallel.mesh import ParallelDims, WorldMesh, build_world_mesh
 from lightning_longctx.parallel.sharding import document_ids
 
 TOLERANCE = 1e-4
@@ -191,7 +191,7 @@ _MESHES: dict[tuple[int, int], WorldMesh] = {}
 
 def _world_mesh(world: int, ring: int) -> WorldMesh:
     if (world, ring) not in _MESHES:
-        _MESHES[world, ring] = build_world_mesh(ParallelLayout(world_size=world, sp=world, ring=ring), "cpu")
+        _MESHES[world, ring] = build_world_mesh(ParallelDims(world_size=world, sp=world, ring=ring), "cpu")
     return _MESHES[world, ring]
 
 
@@ -206,7 +206,7 @@ def _usp(case: AttnCase, x: dict) -> Ran:
     ``test_usp_matches_full_attention``)."""
     rank = dist.get_rank()
     mesh = _world_mesh(case.world, case.ring_size)
-    par = mesh.layout
+    par = mesh.dims
     j, u, ulysses = par.ring_rank(rank), par.ulysses_rank(rank), par.ulysses
     layout = RingLayout(ring_size=case.ring_size, seq_len=case.seq_len, kind=case.ring_kind)
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from helpers.hf_models import tiny_model
 from helpers.lightning import compare_to_reference, fit_hf
 from lightning_longctx import UlyssesFPDTStrategy, enable_sequence_parallel
-from lightning_longctx.parallel.mesh import ParallelLayout
+from lightning_longctx.parallel.mesh import ParallelDims
 
 
 @pytest.mark.parametrize(
@@ -55,13 +55,13 @@ def test_unsharded_labels_and_attention_dropout_are_refused(dist_pool):
 
 def test_layout_errors_and_cross_node_detection():
     with pytest.raises(ValueError, match=r"sequence_parallel_size=3 must divide the world size 8"):
-        ParallelLayout(world_size=8, sp=3)
-    layout = ParallelLayout(world_size=16, sp=16, devices_per_node=8)
+        ParallelDims(world_size=8, sp=3)
+    layout = ParallelDims(world_size=16, sp=16, devices_per_node=8)
     assert layout.spans_nodes and layout.dp == 1
-    assert not ParallelLayout(world_size=16, sp=8, devices_per_node=8).spans_nodes
+    assert not ParallelDims(world_size=16, sp=8, devices_per_node=8).spans_nodes
     assert (
-        ParallelLayout(world_size=16, sp=8).sp_rank(13) == 5
-        and ParallelLayout(world_size=16, sp=8).dp_rank(13) == 1
+        ParallelDims(world_size=16, sp=8).sp_rank(13) == 5
+        and ParallelDims(world_size=16, sp=8).dp_rank(13) == 1
     )
 
 

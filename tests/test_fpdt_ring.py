@@ -46,11 +46,11 @@ def _errors(ring: int) -> dict:
     """{(case, backend, offload): (max error of this rank's out/dq/dk/dv, its partial dsinks, the reference's)}
     at sp = world, ``ring``, chunk C, the groups of the world mesh."""
     from lightning_longctx.attention.fpdt_ring import fpdt_ring_attention
-    from lightning_longctx.parallel.mesh import ParallelLayout, build_world_mesh
+    from lightning_longctx.parallel.mesh import ParallelDims, build_world_mesh
 
     world = dist.get_world_size()
     with process_groups() as own:
-        mesh = own(build_world_mesh(ParallelLayout(world_size=world, sp=world, ring=ring), "cpu"))
+        mesh = own(build_world_mesh(ParallelDims(world_size=world, sp=world, ring=ring), "cpu"))
         sp = mesh.sp_group
 
         def shard(x):
@@ -136,11 +136,11 @@ def test_fpdt_ring_layout():
 
 
 def _gather_roundtrip(ring: int) -> bool:
-    from lightning_longctx.parallel.mesh import ParallelLayout, build_world_mesh
+    from lightning_longctx.parallel.mesh import ParallelDims, build_world_mesh
 
     world = dist.get_world_size()
     with process_groups() as own:
-        mesh = own(build_world_mesh(ParallelLayout(world_size=world, sp=world, ring=ring), "cpu"))
+        mesh = own(build_world_mesh(ParallelDims(world_size=world, sp=world, ring=ring), "cpu"))
         x = torch.arange(2 * N).reshape(2, N)
         part = shard_sequence(x, group=mesh.sp_group, chunk_size=C, ring=ring)
         return torch.equal(gather_sequence(part, group=mesh.sp_group, chunk_size=C, ring=ring), x)

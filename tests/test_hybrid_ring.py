@@ -185,7 +185,7 @@ def _model_errors(names: list[str], sp: int, ring: int, packed: bool, chunk: int
         dist.get_world_size(), 0, "cpu"
     )
     with process_groups() as own:
-        mesh = own(build_world_mesh(config.layout, "cpu"))
+        mesh = own(build_world_mesh(config.dims, "cpu"))
         rows = []
         for name in names:
             arch = arch_sweep.arch_by_name(name)
@@ -291,7 +291,7 @@ def _halves_too_short() -> str:
 
     config = SequenceParallelConfig(sequence_parallel_size=4, ring_size=4).resolve(4, 0, "cpu")
     with process_groups() as own:
-        mesh = own(build_world_mesh(config.layout, "cpu"))
+        mesh = own(build_world_mesh(config.dims, "cpu"))
         model = tiny_model("qwen3_5")  # a conv of kernel 4: 3 tokens of halo
         enable_sequence_parallel(
             model, group=mesh.sp_group, config=config, ring_groups=(mesh.ring_group, mesh.ulysses_group)

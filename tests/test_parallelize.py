@@ -8,11 +8,11 @@ import torch.distributed as dist
 
 from helpers.launch import process_groups
 from lightning_longctx.config import MODES, Mode, SequenceParallelConfig
-from lightning_longctx.parallel.mesh import REPLICA_AXIS, TP_AXIS, ParallelLayout, build_world_mesh
+from lightning_longctx.parallel.mesh import REPLICA_AXIS, TP_AXIS, ParallelDims, build_world_mesh
 
 
 def _mesh_groups(sp: int, tp: int, flatten: bool) -> dict:
-    layout = ParallelLayout(world_size=dist.get_world_size(), sp=sp, tp=tp)
+    layout = ParallelDims(world_size=dist.get_world_size(), sp=sp, tp=tp)
     with process_groups() as own:
         mesh = own(build_world_mesh(layout, "cpu", flatten=flatten))
         ranks = dist.get_process_group_ranks
@@ -32,7 +32,7 @@ def _mesh_groups(sp: int, tp: int, flatten: bool) -> dict:
 def test_world_mesh_groups_follow_the_layout_with_and_without_flatten(dist_pool, sp, tp):
     pool = dist_pool(4)
     flat, fallback = pool.run(_mesh_groups, sp, tp, True), pool.run(_mesh_groups, sp, tp, False)
-    layout = ParallelLayout(world_size=4, sp=sp, tp=tp)
+    layout = ParallelDims(world_size=4, sp=sp, tp=tp)
     for rank, (a, b) in enumerate(zip(flat, fallback)):
         assert a["flattened"] and not b["flattened"]
         want_sp = sorted(
@@ -54,7 +54,7 @@ def test_world_mesh_groups_follow_the_layout_with_and_without_flatten(dist_pool,
 
 
 def _ring_mesh_groups(sp: int, ring: int, tp: int, flatten: bool) -> dict:
-    layout = ParallelLayout(world_size=dist.get_world_size(), sp=sp, tp=tp, ring=ring)
+    layout = ParallelDims(world_size=dist.get_world_size(), sp=sp, tp=tp, ring=ring)
     with process_groups() as own:
         mesh = own(build_world_mesh(layout, "cpu", flatten=flatten))
         ranks = dist.get_process_group_ranks
@@ -76,7 +76,7 @@ def test_ring_axis_splits_the_sp_group_ring_outside_ulysses_inside(dist_pool, sp
     groups are those of the same layout without a ring. Both with ``_flatten`` and the enumerated fallback."""
     pool = dist_pool(4)
     plain = pool.run(_mesh_groups, sp, tp, True)
-    layout = ParallelLayout(world_size=4, sp=sp, tp=tp, ring=ring)
+    layout = ParallelDims(world_size=4, sp=sp, tp=tp, ring=ring)
     for flatten in (True, False):
         for rank, (got, want) in enumerate(zip(pool.run(_ring_mesh_groups, sp, ring, tp, flatten), plain)):
             for key in ("sp", "dp", "tp", "replicas"):
@@ -92,8 +92,8 @@ def test_ring_axis_splits_the_sp_group_ring_outside_ulysses_inside(dist_pool, sp
 
 def test_ring_size_must_divide_the_sp_size():
     with pytest.raises(ValueError, match=r"ring_size=3 must divide sequence_parallel_size=4"):
-        ParallelLayout(world_size=4, sp=4, ring=3)
-    assert "ring 2 x ulysses 2" in str(ParallelLayout(world_size=8, sp=4, ring=2))
+        ParallelDims(world_size=4, sp=4, ring=3)
+    assert "ring 2 x ulysses 2" in str(ParallelDims(world_size=8, sp=4, ring=2))
 
 
 def test_mode_is_a_string_enum():
@@ -137,7 +137,7 @@ def _lightning_free_step(chunk: int | None, flatten: bool, ring: int = 1) -> dic
     )
     config = settings.resolve(dist.get_world_size(), 0, "cpu")
     with process_groups() as own:  # the FSDP2 / TP model runs on the mesh's groups to the end
-        plan = ParallelPlan(config, own(build_world_mesh(config.layout, "cpu", flatten=flatten)))
+        plan = ParallelPlan(config, own(build_world_mesh(config.dims, "cpu", flatten=flatten)))
         model = tiny_model("llama")
         reference = copy.deepcopy(model)
         torch.manual_seed(1)
@@ -183,7 +183,7 @@ def _plan_refuses(case: str) -> str:
 
     config = SequenceParallelConfig(sequence_parallel_size=2).resolve(dist.get_world_size(), 0, "cpu")
     with process_groups() as own:
-        plan = ParallelPlan(config, own(build_world_mesh(config.layout, "cpu")))
+        plan = ParallelPlan(config, own(build_world_mesh(config.dims, "cpu")))
         rank = dist.get_rank()
         n = 16 if case == "samples" or rank == 0 else 20
         ids = torch.full((1, n), rank if case == "samples" else 1)

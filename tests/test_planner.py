@@ -1598,12 +1598,12 @@ def _fpdt_ring_live(heads: int, kv_heads: int, offload: bool) -> tuple[int, int,
 
     from helpers.launch import process_groups
     from lightning_longctx.attention.fpdt_ring import fpdt_ring_attention
-    from lightning_longctx.parallel.mesh import ParallelLayout, build_world_mesh
+    from lightning_longctx.parallel.mesh import ParallelDims, build_world_mesh
 
     torch.set_num_threads(1)
     n, d, rank = 4096, 32, dist.get_rank()
     with process_groups() as own:
-        mesh = own(build_world_mesh(ParallelLayout(world_size=2, sp=2, ring=2), "cpu"))
+        mesh = own(build_world_mesh(ParallelDims(world_size=2, sp=2, ring=2), "cpu"))
         live = _LiveBytes.mode()
         with live:
             g = torch.Generator().manual_seed(rank)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.lightning import fit_hf
-from lightning_longctx.parallel.mesh import ParallelLayout, build_world_mesh
+from lightning_longctx.parallel.mesh import ParallelDims, build_world_mesh
 
 #: one process's fits, one after another: DDP, FSDP2 (its sharded model is read after the fit), Ulysses x ring
 FITS = [{}, {"data_parallel": "fsdp"}, {"ring_size": 2}] * 2
@@ -63,7 +63,7 @@ def test_fits_leave_no_process_groups_or_threads_behind(dist_pool):
 
 def _destroy(degrees: dict, flatten: bool, keep_sharding: bool, cuda_gloo: bool) -> dict:
     before = _live_groups()
-    layout = ParallelLayout(world_size=dist.get_world_size(), **degrees)
+    layout = ParallelDims(world_size=dist.get_world_size(), **degrees)
     with mock.patch.object(torch.cuda, "is_available", return_value=True) if cuda_gloo else nullcontext():
         mesh = build_world_mesh(layout, "cpu", flatten=flatten)
     names = {"replicas": mesh.replica_group.group_name, "tp": mesh.tp_group.group_name}  # resolvable now only

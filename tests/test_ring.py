@@ -353,10 +353,10 @@ def _usp_errors(ring: int) -> dict:
     """{(case, layout kind): (max error of out/dq/dk/dv on this rank, its partial dsinks, the reference's)}
     for sp = world, ring = ``ring``, the groups from the world mesh (s = j * U + u)."""
     from lightning_longctx.attention.ring import usp_attention
-    from lightning_longctx.parallel.mesh import ParallelLayout, build_world_mesh
+    from lightning_longctx.parallel.mesh import ParallelDims, build_world_mesh
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    par = ParallelLayout(world_size=world, sp=world, ring=ring)
+    par = ParallelDims(world_size=world, sp=world, ring=ring)
     with process_groups() as own:
         mesh = own(build_world_mesh(par, "cpu"))
         j, u, ulysses = par.ring_rank(rank), par.ulysses_rank(rank), par.ulysses

@@ -12,7 +12,7 @@ from helpers.hf_models import HFModule, TokenDataset, reference_training, tiny_m
 from helpers.lightning import SEQ, lightning_env
 from helpers.marks import WORLD8
 from lightning_longctx import UlyssesFPDTStrategy
-from lightning_longctx.parallel.mesh import ParallelLayout
+from lightning_longctx.parallel.mesh import ParallelDims
 
 STEPS = 3  # optimizer steps: the first moves the weights, the next two run on moved, split weights
 
@@ -131,17 +131,17 @@ def test_tensor_parallel_matches_one_process(dist_pool, name):
 
 
 def test_layout_puts_tp_innermost_and_sp_next():
-    lay = ParallelLayout(world_size=8, sp=2, tp=2)
+    lay = ParallelDims(world_size=8, sp=2, tp=2)
     assert lay.dp == 2 and lay.replicas == 4
     assert [lay.tp_rank(r) for r in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
     assert [lay.sp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [lay.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the world size 8"):
-        ParallelLayout(world_size=8, sp=1, tp=3)
+        ParallelDims(world_size=8, sp=1, tp=3)
     with pytest.raises(
         ValueError, match="sequence_parallel_size=3 must divide the world size 8 / tensor_parallel"
     ):
-        ParallelLayout(world_size=8, sp=3, tp=2)
+        ParallelDims(world_size=8, sp=3, tp=2)
 
 
 def test_refusals_name_the_rule():

@@ -130,9 +130,9 @@ def build_model(args: argparse.Namespace, device: torch.device, max_len: int) ->
     )
     if args.cpu_offload:  # parallelize's last step for data_parallel="fsdp", cpu_offload=True, bf16-mixed
         from lightning_longctx.parallel.fsdp import FSDP2Sharding
-        from lightning_longctx.parallel.mesh import ParallelLayout, build_world_mesh
+        from lightning_longctx.parallel.mesh import ParallelDims, build_world_mesh
 
-        mesh = build_world_mesh(ParallelLayout(world_size=1, sp=1), device.type)
+        mesh = build_world_mesh(ParallelDims(world_size=1, sp=1), device.type)
         FSDP2Sharding(mesh, cpu_offload=True).shard(model, param_dtype=torch.bfloat16)
     return model
 

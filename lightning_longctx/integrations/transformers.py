@@ -358,7 +358,7 @@ def enable_sequence_parallel(
     ``chunk_size``; a tiled module keeps only its input for backward and recomputes the rest) and a chunked lm_head + loss (``loss_chunk_size``, default: 128 MiB fp32 logits blocks,
     ``chunked_loss.default_loss_chunk_size`` of the vocabulary). ``offload``: FPDT's chunks in host memory.
     Or ``config``: a :class:`~lightning_longctx.config.ResolvedConfig` (what the strategy passes) in place
-    of those keywords, which are its thin wrapper. With ``config.layout.ring > 1`` (``ring_size``),
+    of those keywords, which are its thin wrapper. With ``config.dims.ring > 1`` (``ring_size``),
     ``ring_groups`` = ``(ring_group, ulysses_group)`` of the world mesh (``mesh.build_world_mesh``) and
     ``group`` its whole sp group: Ulysses x ring attention, batches sharded with ``shard_batch(..., ring=r)``.
     Batches must come from ``shard_batch`` (the strategy does this) with the matching layout.
@@ -395,11 +395,11 @@ def _check_patchable(
             "it again"
         )
     mixers = find_mixers(model)  # hybrid models: convolutions, linear attention, state-space scans
-    ring = config.layout.ring
+    ring = config.dims.ring
     if ring > 1 and (ring_groups is None or len(ring_groups) != 2):
         raise ValueError(
             f"ring_size={ring} needs ring_groups=(ring_group, ulysses_group), the world mesh's "
-            "(mesh.build_world_mesh(ParallelLayout(..., ring=r)).ring_group / .ulysses_group)"
+            "(mesh.build_world_mesh(ParallelDims(..., ring=r)).ring_group / .ulysses_group)"
         )
     attention_layers = check_layer_types(model, name, len(mixers))
     # transformers marks hybrids as not supporting attention backends for their mixers' sake; their
@@ -433,7 +433,7 @@ def _new_context(
     lm_head = None
     if config.mode is Mode.FPDT and model.get_output_embeddings() is not None:
         lm_head = read_chunked_head(model, name)  # refuses a logits transform it cannot reproduce
-    ring_group, ulysses_group = ring_groups if config.layout.ring > 1 and ring_groups else (None, None)
+    ring_group, ulysses_group = ring_groups if config.dims.ring > 1 and ring_groups else (None, None)
     setup = AttentionSetup(
         layout=config.sequence_layout, group=group, ring_group=ring_group, ulysses_group=ulysses_group,
         backend=config.settings.attention_backend, offload=config.offload, overlap=config.settings.fpdt_overlap,

@@ -114,7 +114,7 @@ class CheckpointHooks:
         import lightning
         import transformers
 
-        layout = self.layout
+        layout = self.dims
         return {
             "format": self.sp_config.checkpoint_format,
             "global_step": int(checkpoint.get("global_step", -1)),

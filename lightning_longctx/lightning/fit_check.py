@@ -286,7 +286,7 @@ def _axes(
     elif not parallel.offload:
         chunking.append(({"offload": True}, 1))
     sequence = [none]
-    per_node = parallel.layout.devices_per_node
+    per_node = parallel.dims.devices_per_node
     for sp in range(parallel.sp + 1, world // parallel.tp + 1):
         if (world // parallel.tp) % sp == 0:  # fewer sequences per step: dp shrinks
             across = bool(per_node) and sp * parallel.tp > per_node
@@ -314,7 +314,7 @@ class _Alternative:
 def _alternatives(inputs: _ModelInputs, parallel: ResolvedConfig, step: _Step) -> list[_Alternative]:
     """Every combination of :func:`_axes`'s changes, planned on the same world, cheapest first (total cost,
     then fewer changes, then less memory)."""
-    layout, out = parallel.layout, []
+    layout, out = parallel.dims, []
     for combo in itertools.product(*_axes(parallel, inputs.activation_checkpointing, layout.world_size)):
         given = parallel.settings  # a change to a value already set is no change (FSDP with cpu_offload)
         changes = {k: v for change, _ in combo for k, v in change.items() if getattr(given, k) != v}

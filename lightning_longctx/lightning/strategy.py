@@ -67,7 +67,7 @@ from lightning_longctx.parallel.comm import (
     reduce_mean_or_sum,
 )
 from lightning_longctx.parallel.fsdp import MIXED_PRECISION_DTYPES
-from lightning_longctx.parallel.mesh import ParallelLayout, WorldMesh, build_world_mesh, init_world
+from lightning_longctx.parallel.mesh import ParallelDims, WorldMesh, build_world_mesh, init_world
 from lightning_longctx.parallel.plan import ParallelPlan
 from lightning_longctx.planner.flops import find_hf_config
 from lightning_longctx.planner.shapes import text_config
@@ -236,8 +236,14 @@ class UlyssesFPDTStrategy(FirstStepChecks, CheckpointHooks, ParallelStrategy):
         return self._plan
 
     @property
-    def layout(self) -> ParallelLayout:
-        return self.config.layout
+    def dims(self) -> ParallelDims:
+        """The world's dp x sp x tp degrees (a ring inside sp): ``config.dims``."""
+        return self.config.dims
+
+    @property
+    def layout(self) -> ParallelDims:
+        """The old name of :attr:`dims`."""
+        return self.dims
 
     @property
     def world_mesh(self) -> WorldMesh:
@@ -252,23 +258,23 @@ class UlyssesFPDTStrategy(FirstStepChecks, CheckpointHooks, ParallelStrategy):
 
     @property
     def sp_size(self) -> int:
-        return self.layout.sp
+        return self.dims.sp
 
     @property
     def dp_size(self) -> int:
-        return self.layout.dp
+        return self.dims.dp
 
     @property
     def tp_size(self) -> int:
-        return self.layout.tp
+        return self.dims.tp
 
     @property
     def sp_rank(self) -> int:
-        return self.layout.sp_rank(self.global_rank)
+        return self.dims.sp_rank(self.global_rank)
 
     @property
     def tp_rank(self) -> int:
-        return self.layout.tp_rank(self.global_rank)
+        return self.dims.tp_rank(self.global_rank)
 
     @property
     def tp_group(self) -> Any:
@@ -276,7 +282,7 @@ class UlyssesFPDTStrategy(FirstStepChecks, CheckpointHooks, ParallelStrategy):
 
     @property
     def dp_rank(self) -> int:
-        return self.layout.dp_rank(self.global_rank)
+        return self.dims.dp_rank(self.global_rank)
 
     @property
     def sp_group(self) -> Any:
@@ -295,7 +301,7 @@ class UlyssesFPDTStrategy(FirstStepChecks, CheckpointHooks, ParallelStrategy):
         super().setup_environment()  # the accelerator's device
         self._init_processes()
         self._config = None  # resolved again now that the world is known
-        cfg, layout = self.config, self.layout
+        cfg, layout = self.config, self.dims
         if layout.spans_nodes:
             rank_zero_warn(
                 f"sequence_parallel_size={layout.sp} spans nodes ({layout.devices_per_node} devices per "
@@ -396,7 +402,7 @@ class UlyssesFPDTStrategy(FirstStepChecks, CheckpointHooks, ParallelStrategy):
             self._self_test_pending, self.self_test_reports = self._self_test is not False, []
         # a preemption signal sets a flag; every rank saves at the next optimizer step (preemption.py)
         preemption.install(trainer)
-        if self.layout.tp > 1:  # gradient clipping by norm over the gradients of both meshes (TP, dp x sp)
+        if self.dims.tp > 1:  # gradient clipping by norm over the gradients of both meshes (TP, dp x sp)
             from lightning_longctx.parallel.tensor_parallel import clip_grad_norm_
 
             plugin = self.precision_plugin
@@ -421,9 +427,9 @@ class UlyssesFPDTStrategy(FirstStepChecks, CheckpointHooks, ParallelStrategy):
             replicate=self._fitting,
             device_ids=self._device_ids(),
         )
-        if self.layout.ring > 1 and not self._contexts:  # a plain module's own attention reads no ring layout
+        if self.dims.ring > 1 and not self._contexts:  # a plain module's own attention reads no ring layout
             raise ValueError(
-                f"ring_size={self.layout.ring} needs a transformers model in the LightningModule (the strategy "
+                f"ring_size={self.dims.ring} needs a transformers model in the LightningModule (the strategy "
                 "swaps its attention for Ulysses x ring and shards batches zigzag over the ring); a plain module "
                 "calling ulysses_attention / fpdt_attention itself would attend in the wrong order. Use "
                 "ring_size=1, or call lightning_longctx.attention.ring.usp_attention in your module with "
@@ -553,7 +559,7 @@ class UlyssesFPDTStrategy(FirstStepChecks, CheckpointHooks, ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self.layout.tp > 1 and not self._tp_gradients_checked:
+        if self.dims.tp > 1 and not self._tp_gradients_checked:
             closure = self._checking_replicated_gradients(closure)
         if not self._token_mean_active:
             return super().optimizer_step(optimizer, closure, model, **kwargs)

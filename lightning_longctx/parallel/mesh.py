@@ -30,7 +30,7 @@ REPLICA_AXIS = "dp_sp"
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelLayout:
+class ParallelDims:
     """``world_size = dp * sp * tp``; tensor-parallel innermost, sequence-parallel next to it: a TP group is
     ``tp`` consecutive ranks, an SP group ``sp`` ranks ``tp`` apart, and the ``sp * tp`` consecutive ranks of
     one dp index share one sequence (one node's GPUs when ``sp * tp`` divides the GPUs per node: the
@@ -100,6 +100,10 @@ class ParallelLayout:
         return f"world {self.world_size} = data_parallel {self.dp} x sequence_parallel {self.sp}{ring}{tp}"
 
 
+#: The name of :class:`ParallelDims` before 0.6 ("layout" now names the sequence layout only).
+ParallelLayout = ParallelDims
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorldMesh:
     """The world's one device mesh and the views of it that everything uses (:func:`build_world_mesh`).
@@ -109,10 +113,10 @@ class WorldMesh:
     mesh, DDP's group); ``tp``: 1-D over the ``tp`` consecutive ranks (TP's DTensors); ``sp_group`` /
     ``dp_group``: the process groups of the sequence-parallel and data-parallel axes. ``flattened``: whether
     ``replicas`` is a flattened view of the 3-D root (else the fallback root; see :func:`build_world_mesh`).
-    ``ring_group`` / ``ulysses_group``: with ``layout.ring > 1``, the two parts of the sp group (the ranks of
+    ``ring_group`` / ``ulysses_group``: with ``dims.ring > 1``, the two parts of the sp group (the ranks of
     one ring, ``U`` apart in sp order; the ``U`` consecutive ranks of one all-to-all); ``None`` otherwise."""
 
-    layout: ParallelLayout
+    dims: ParallelDims
     root: Any
     replicas: Any
     tp: Any
@@ -121,6 +125,11 @@ class WorldMesh:
     flattened: bool
     ring_group: Any = None
     ulysses_group: Any = None
+
+    @property
+    def layout(self) -> ParallelDims:
+        """The old name of :attr:`dims`."""
+        return self.dims
 
     @property
     def tp_group(self) -> Any:
@@ -141,7 +150,7 @@ class WorldMesh:
     @cached_property
     def _sharding_groups(self) -> tuple[Any, ...]:
         """The groups FSDP2's and TP's DTensors live on: the replicas', and the tp axis's when ``tp > 1``."""
-        return (self.replica_group, self.tp_group) if self.layout.tp > 1 else (self.replica_group,)
+        return (self.replica_group, self.tp_group) if self.dims.tp > 1 else (self.replica_group,)
 
     def destroy(self, *, keep_sharding: bool = False) -> None:
         """Destroy the process groups this mesh created, so that their communicators end (each gloo group
@@ -216,7 +225,7 @@ def can_flatten(mesh: Any) -> bool:
     return callable(getattr(mesh, "_flatten", None))
 
 
-def build_world_mesh(layout: ParallelLayout, device_type: str, *, flatten: bool | None = None) -> WorldMesh:
+def build_world_mesh(dims: ParallelDims, device_type: str, *, flatten: bool | None = None) -> WorldMesh:
     """The world's one mesh (every rank must call it, with the same arguments). ``flatten=None``: probe.
 
     The one use of a private API of ``DeviceMesh`` is here: with ``_flatten`` (:func:`can_flatten`), the root
@@ -232,12 +241,12 @@ def build_world_mesh(layout: ParallelLayout, device_type: str, *, flatten: bool 
 
         flatten = can_flatten(DeviceMesh)
     if not flatten:
-        return _enumerated_mesh(layout, device_type)
-    if layout.ring > 1:
-        return _ring_mesh(layout, device_type)
-    root = init_device_mesh(device_type, (layout.dp, layout.sp, layout.tp), mesh_dim_names=MESH_AXES)
+        return _enumerated_mesh(dims, device_type)
+    if dims.ring > 1:
+        return _ring_mesh(dims, device_type)
+    root = init_device_mesh(device_type, (dims.dp, dims.sp, dims.tp), mesh_dim_names=MESH_AXES)
     return WorldMesh(
-        layout=layout,
+        dims=dims,
         root=root,
         replicas=root[DP_AXIS, SP_AXIS]._flatten(REPLICA_AXIS),
         tp=root[TP_AXIS],
@@ -247,17 +256,17 @@ def build_world_mesh(layout: ParallelLayout, device_type: str, *, flatten: bool 
     )
 
 
-def _ring_mesh(layout: ParallelLayout, device_type: str) -> WorldMesh:
+def _ring_mesh(dims: ParallelDims, device_type: str) -> WorldMesh:
     """:func:`build_world_mesh` with ``_flatten`` and the sp axis split into ``(sp_ring, sp_ulysses)``: the root
     is 4-D ``(data_parallel, sp_ring, sp_ulysses, tensor_parallel)``, the sp group its flattened ``(sp_ring,
     sp_ulysses)`` view (the same ranks as the 3-D mesh's sp axis) and ``replicas`` the flattened
     ``(data_parallel, sp_ring, sp_ulysses)``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dims = (layout.dp, layout.ring, layout.ulysses, layout.tp)
-    root = init_device_mesh(device_type, dims, mesh_dim_names=(DP_AXIS, RING_AXIS, ULYSSES_AXIS, TP_AXIS))
+    shape = (dims.dp, dims.ring, dims.ulysses, dims.tp)
+    root = init_device_mesh(device_type, shape, mesh_dim_names=(DP_AXIS, RING_AXIS, ULYSSES_AXIS, TP_AXIS))
     return WorldMesh(
-        layout=layout,
+        dims=dims,
         root=root,
         replicas=root[DP_AXIS, RING_AXIS, ULYSSES_AXIS]._flatten(REPLICA_AXIS),
         tp=root[TP_AXIS],
@@ -269,15 +278,15 @@ def _ring_mesh(layout: ParallelLayout, device_type: str) -> WorldMesh:
     )
 
 
-def _enumerated_mesh(layout: ParallelLayout, device_type: str) -> WorldMesh:
+def _enumerated_mesh(dims: ParallelDims, device_type: str) -> WorldMesh:
     """The fallback without ``DeviceMesh._flatten``: a 2-D root ``(dp_sp, tensor_parallel)`` with the same rank
     order, the dp, sp (and with ``ring > 1`` the ring and Ulysses) groups enumerated from its ranks: the FSDP2
     and TP meshes still share one root, and every group is the one the full mesh would give."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    root = init_device_mesh(device_type, (layout.replicas, layout.tp), mesh_dim_names=(REPLICA_AXIS, TP_AXIS))
-    dp, r, u, tp = layout.dp, layout.ring, layout.ulysses, layout.tp
+    root = init_device_mesh(device_type, (dims.replicas, dims.tp), mesh_dim_names=(REPLICA_AXIS, TP_AXIS))
+    dp, r, u, tp = dims.dp, dims.ring, dims.ulysses, dims.tp
     ranks = root.mesh.reshape(dp, r, u, tp)  # global ranks at (dp, j, u, tp) coordinates; sp rank = j * U + u
 
     def groups(cells: list[list[int]]) -> Any:  # every rank creates every group, in the same order
@@ -292,7 +301,7 @@ def _enumerated_mesh(layout: ParallelLayout, device_type: str) -> WorldMesh:
             groups([ranks[d, j, :, t].tolist() for d in range(dp) for j in range(r) for t in range(tp)]),
         )
     return WorldMesh(
-        layout=layout,
+        dims=dims,
         root=root,
         replicas=root[REPLICA_AXIS],
         tp=root[TP_AXIS],

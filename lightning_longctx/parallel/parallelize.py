@@ -25,7 +25,7 @@ the attention back in and skips what is already split or sharded).
 Without Lightning (every rank runs this; see docs/user_guide.md, "Without Lightning")::
 
     config = SequenceParallelConfig(sequence_parallel_size=2, data_parallel="fsdp").resolve(world, 0, "cuda")
-    mesh = build_world_mesh(config.layout, "cuda")
+    mesh = build_world_mesh(config.dims, "cuda")
     undo = parallelize(model, mesh, config)
     ...  # train on shard_batch(batch, group=mesh.sp_group) with the loss multiplied by config.sp
     undo()
@@ -103,7 +103,7 @@ def parallelize(
         model: the module; its parameters on their device already (under ``cpu_offload`` the transformers
             models on the host: ``FSDP2Sharding.model_to_device``). Every rank calls this with the same
             weights (TP slices and FSDP2 shards each rank's own copy).
-        mesh: the world mesh (:func:`~lightning_longctx.parallel.mesh.build_world_mesh` of ``config.layout``).
+        mesh: the world mesh (:func:`~lightning_longctx.parallel.mesh.build_world_mesh` of ``config.dims``).
         config: the resolved settings (:meth:`SequenceParallelConfig.resolve`).
         param_dtype: FSDP2's compute dtype over the fp32 sharded parameters (``MixedPrecisionPolicy``,
             gradients reduced in fp32), e.g. ``torch.bfloat16`` for ``bf16-mixed``; ``None``: the parameters'
@@ -123,7 +123,7 @@ def parallelize(
     # share its config, hence its context, and are skipped
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and context_of(module) is None:
-            rings = (mesh.ring_group, mesh.ulysses_group) if mesh.layout.ring > 1 else None
+            rings = (mesh.ring_group, mesh.ulysses_group) if mesh.dims.ring > 1 else None
             enable_sequence_parallel(module, group=mesh.sp_group, config=config, ring_groups=rings)
             done.models.append(module)
             done.contexts.append(context_of(module))

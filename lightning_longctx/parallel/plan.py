@@ -53,7 +53,7 @@ class ParallelPlan:
 
     Args:
         config: :meth:`SequenceParallelConfig.resolve` for this world.
-        mesh: :func:`~lightning_longctx.parallel.mesh.build_world_mesh` of ``config.layout``.
+        mesh: :func:`~lightning_longctx.parallel.mesh.build_world_mesh` of ``config.dims``.
         ddp: ``data_parallel="ddp"``: the DDP piece's keywords (``DistributedDataParallel``'s own, and
             ``comm_hook`` / ``comm_wrapper`` / ``comm_state``); not read under FSDP2.
     """
@@ -83,7 +83,7 @@ class ParallelPlan:
         """The plan of ``settings`` on the initialized default process group (every rank calls it)."""
         _, world = group_rank_size(None)
         config = settings.resolve(world, devices_per_node, device_type, heads=heads)
-        return cls(config, build_world_mesh(config.layout, device_type), ddp=ddp)
+        return cls(config, build_world_mesh(config.dims, device_type), ddp=ddp)
 
     # ---- the model half ----
     @property
@@ -199,7 +199,7 @@ class ParallelPlan:
     def _shard_locally(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
         chunk = self.chunk_for(ids.shape[1]) if isinstance(ids, Tensor) and ids.dim() == 2 else None
-        settings, ring = self.config.settings, self.config.layout.ring
+        settings, ring = self.config.settings, self.config.dims.ring
         out = shard_batch(
             batch,
             group=self.mesh.sp_group,
@@ -296,5 +296,5 @@ class ParallelPlan:
             raise next(r for r in map(packed_documents_refusal, hybrids) if r is not None)
         ctx = hybrids[0]
         local_len = ctx.positions.local.shape[-1]
-        ring = self.config.layout.ring if ctx.local_chunk(local_len) is None else 1
+        ring = self.config.dims.ring if ctx.local_chunk(local_len) is None else 1
         raise halo_error(ctx.model_name, ctx.mixer_halo, segment_length(ctx, local_len), local_len, ring=ring)

@@ -571,7 +571,7 @@ def run_self_test(
             shape = probe_shape(config, ctx.mixer_halo, packed)
             p = _Probe(
                 model, ctx, make_probe({"input_ids": ids}, shape, ignore_index), shape, group,
-                config.layout.ring, ignore_index, autocast,
+                config.dims.ring, ignore_index, autocast,
             )  # fmt: skip
             report = SelfTestReport(ctx.model_name, shape, rows=p.probe["input_ids"].shape[0])
             for dtype, cast in checks_for(precision, model, autocast, fp32_layout, device):

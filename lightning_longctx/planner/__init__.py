@@ -114,7 +114,7 @@ with ``host_memory``;
 In the code, one module per job: ``shapes.py`` reads the model's shape from its config (shared with
 :mod:`lightning_longctx.planner.flops`); ``plan.py`` maps :func:`plan_memory`'s keywords onto the strategy's
 :class:`~lightning_longctx.config.SequenceParallelConfig` (validated there, once) and resolves it;
-``layout.py`` turns the shape and the resolved config into a ``_PerRank``, what one rank holds (tokens and
+``per_rank.py`` turns the shape and the resolved config into a ``_PerRank``, what one rank holds (tokens and
 heads per rank, dtype sizes, mode flags), checking the planner's own inputs; ``terms.py`` has one small
 function per memory term, returning a ``_Term`` (device bytes, host bytes, the table row it adds to, a note);
 ``phases.py``'s ``_PHASE_TABLE`` says at which moments each term is alive, and ``evaluate`` sums them and
@@ -140,7 +140,7 @@ How long a step takes: :func:`estimate_step_time` prices what one rank holds wit
 from __future__ import annotations
 
 from lightning_longctx.planner.devices import DEVICES, DeviceSpec, device_spec
-from lightning_longctx.planner.layout import (
+from lightning_longctx.planner.per_rank import (
     ALL_LINEAR,
     ALLOCATOR_RESERVE,
     CUDA_CONTEXT_BYTES,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_longctx.planner.layout import _PerRank
+from lightning_longctx.planner.per_rank import _PerRank
 from lightning_longctx.planner.report import MemoryComponent, MemoryPlan, format_bytes
 from lightning_longctx.planner.terms import (
     _ORDER,

@@ -16,7 +16,7 @@ from lightning_longctx.config import (
     SequenceParallelConfig,
     auto_ring_size,
 )
-from lightning_longctx.planner.layout import ALL_LINEAR, _check_int, _PerRank, build_per_rank
+from lightning_longctx.planner.per_rank import ALL_LINEAR, _check_int, _PerRank, build_per_rank
 from lightning_longctx.planner.phases import evaluate
 from lightning_longctx.planner.report import MemoryPlan, parse_bytes
 from lightning_longctx.planner.shapes import model_shape
@@ -216,7 +216,7 @@ def parallel_kwargs(parallel: ResolvedConfig) -> dict[str, Any]:
         "sequence_parallel_size": parallel.sp,
         "data_parallel_size": parallel.dp,
         "tensor_parallel_size": parallel.tp,
-        "ring_size": parallel.layout.ring,  # settled ("auto" against the model's heads) when resolved
+        "ring_size": parallel.dims.ring,  # settled ("auto" against the model's heads) when resolved
         "mode": parallel.mode,
         "fpdt_chunk_size": given.fpdt_chunk_size,
         "offload": parallel.offload,
@@ -226,7 +226,7 @@ def parallel_kwargs(parallel: ResolvedConfig) -> dict[str, Any]:
         "loss_chunk_size": given.loss_chunk_size,
         "mlp_chunk_size": given.mlp_chunk_size,
         "cpu_offload": given.cpu_offload,
-        "devices_per_host": parallel.layout.devices_per_node or None,
+        "devices_per_host": parallel.dims.devices_per_node or None,
     }
 
 
@@ -281,7 +281,7 @@ def longest_sequence(
     )
     P, chunk = parallel.sp, parallel.settings.fpdt_chunk_size  # a chunk: FPDT
     step = P * (1024 if chunk is None else chunk)  # a multiple of 2P: a ring's zigzag padding too
-    if chunk is not None and parallel.layout.ring > 1:  # FPDT x ring pads to 2 P c
+    if chunk is not None and parallel.dims.ring > 1:  # FPDT x ring pads to 2 P c
         step *= 2
 
     def fits(k: int) -> bool:

@@ -58,7 +58,7 @@ from typing import Any
 
 from lightning_longctx.config import DataParallel
 from lightning_longctx.planner.devices import DeviceSpec, KernelRate, device_spec
-from lightning_longctx.planner.layout import _PerRank, build_per_rank
+from lightning_longctx.planner.per_rank import _PerRank, build_per_rank
 from lightning_longctx.planner.plan import plan_per_rank, resolve_parallel
 from lightning_longctx.planner.shapes import ATTENTION, _as_config, text_config
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_longctx.config import DataParallel
-from lightning_longctx.planner.layout import _PerRank
+from lightning_longctx.planner.per_rank import _PerRank
 from lightning_longctx.planner.report import format_bytes
 from lightning_longctx.planner.shapes import (
     _LLAMA_BLOCK,

@@ -316,12 +316,12 @@ def build_per_rank(
     settings, P, dp, tp = parallel.settings, parallel.sp, parallel.dp, parallel.tp
     b = _check_int("micro_batch_size", micro_batch_size)
     _check_inputs(shape, tp, seq_len=seq_len, optimizer=optimizer, device_type=device_type)
-    ring = parallel.layout.ring
+    ring = parallel.dims.ring
     data_parallel = DataParallel(settings.data_parallel)  # validated by the config: "ddp" or "fsdp"
     w, pw, m, r, autocast, mp = _dtypes(precision, param_dtype, data_parallel)
     memory = None if device_memory is None else parse_bytes(device_memory)
     host = None if host_memory is None else parse_bytes(host_memory)
-    per_host = parallel.layout.devices_per_node or min(parallel.layout.world_size, DEFAULT_DEVICES_PER_HOST)
+    per_host = parallel.dims.devices_per_node or min(parallel.dims.world_size, DEFAULT_DEVICES_PER_HOST)
     lora, lora_block = _lora_params(shape, lora_rank, lora_targets, tp)
 
     # the strategy's rule (tensor_parallel.vocab_parallel_head): FPDT's chunked loss on this rank's V / tp rows
