@@ -361,6 +361,8 @@ def test_unknown_and_ignored_settings_are_refused():
         UlyssesFPDTStrategy(data_parallel="fsdp", gradient_as_bucket_view=False)
     with pytest.raises(TypeError, match="sets DistributedDataParallel's 'device_ids' itself"):
         UlyssesFPDTStrategy(device_ids=[0])
+    with pytest.raises(TypeError, match=r"model_averaging_period .*post-local SGD.* not supported"):
+        UlyssesFPDTStrategy(model_averaging_period=4)
     # DDP keywords at their defaults (LightningCLI passes every one of them) and the Strategy's own pass
     fsdp = UlyssesFPDTStrategy(
         data_parallel="fsdp", find_unused_parameters=False, process_group=None, start_method="spawn"

@@ -1,8 +1,8 @@
 """``data_parallel="ddp"``: the model replicated on every rank, its gradients averaged by DDP over dp x sp.
 
-The counterpart of ``fsdp.py``'s :class:`~lightning_longctx.parallel.fsdp.FSDP2Sharding`: the strategy holds one of
-the two (chosen once, in ``setup_environment``) and calls the same two methods on it, so neither path
-branches on the other. Why every dp x sp rank: parameters are replicated over the sequence-parallel ranks
+The counterpart of ``fsdp.py``'s :class:`~lightning_longctx.parallel.fsdp.FSDP2Sharding`: the run's
+:class:`~lightning_longctx.parallel.plan.ParallelPlan` holds one of the two (chosen once, when it is built) and
+calls the same methods on it, so neither path branches on the other. Why every dp x sp rank: parameters are replicated over the sequence-parallel ranks
 too, and each holds only its tokens' share of the gradient; DDP's average over the world's replicas with
 the loss scaled by ``sp`` (the strategy's ``backward``) is "sum over sp, mean over dp" (docs/architecture.md,
 "Gradient reduction"). The reduction runs on the world mesh's replica group (mesh.py), which under DDP
