@@ -178,25 +178,32 @@ def test_parallelize_without_lightning_matches_one_process(dist_pool, chunk, fla
 
 
 def _plan_refuses(case: str) -> str:
-    """A ``ParallelPlan``'s batch half on 2 ranks (sp 2) with a batch that differs across the ranks."""
+    """A ``ParallelPlan``'s batch half on 2 ranks (sp 2) with a first batch that differs across the ranks:
+    other samples, another shape, or no ``input_ids`` on rank 1 alone."""
     from lightning_longctx.parallel.plan import ParallelPlan
 
     config = SequenceParallelConfig(sequence_parallel_size=2).resolve(dist.get_world_size(), 0, "cpu")
     with process_groups() as own:
         plan = ParallelPlan(config, own(build_world_mesh(config.dims, "cpu")))
         rank = dist.get_rank()
-        n = 16 if case == "samples" or rank == 0 else 20
+        n = 20 if case == "shapes" and rank == 1 else 16
         ids = torch.full((1, n), rank if case == "samples" else 1)
+        batch = {"tokens": ids} if case == "one_rank_refuses" and rank == 1 else {"input_ids": ids}
         try:
-            plan.shard({"input_ids": ids})
-        except RuntimeError as err:
+            plan.shard(batch)
+        except (RuntimeError, ValueError) as err:
             return str(err)
         return "sharded"
 
 
-@pytest.mark.parametrize("case", ["samples", "shapes"])
+@pytest.mark.parametrize("case", ["samples", "shapes", "one_rank_refuses"])
 def test_plan_refuses_a_batch_that_differs_across_ranks_on_every_rank(dist_pool, case):
-    """The first batch's check is one collective: every rank raises the same error (none waits forever)."""
+    """The first batch's check is one collective: every rank raises (none waits forever in the next one)."""
     got = dist_pool(2).run(_plan_refuses, case)
+    if case == "one_rank_refuses":  # rank 1 its own error, rank 0 that rank 1 refused
+        assert (
+            "ranks [1] refused their batch" in got[0] and "needs a dict batch with 'input_ids'" in got[1]
+        ), got
+        return
     want = "received different samples" if case == "samples" else "shapes differ across ranks"
     assert all(want in message for message in got), got

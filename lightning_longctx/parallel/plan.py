@@ -178,7 +178,7 @@ class ParallelPlan:
         try:
             out = self._shard_locally(batch)
             facts, error = self._facts(batch, out), None
-        except ValueError as err:
+        except Exception as err:  # joins the check first: the other ranks are waiting in it
             if not check:
                 raise
             facts, error = dict.fromkeys(_FACTS, 0) | {"refused": 1}, err
@@ -240,7 +240,7 @@ class ParallelPlan:
             facts["short"] = int(any(segment_length(ctx, local_len) < ctx.mixer_halo for ctx in hybrids))
         return facts
 
-    def _agree(self, facts: dict[str, int], error: ValueError | None) -> None:
+    def _agree(self, facts: dict[str, int], error: Exception | None) -> None:
         """One all-gather of every rank's facts, then the refusals in order, alike on every rank."""
         row = torch.tensor(
             [[facts[k] for k in _FACTS]], dtype=torch.int64, device=torch.device(self.mesh.root.device_type)
