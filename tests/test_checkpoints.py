@@ -131,11 +131,23 @@ def _assert_identical(loaded: dict, saved: dict) -> None:
 
 def _assert_equal_to_reference(got: dict, arch: str, steps: int) -> float:
     ref_params, ref_moments = _reference(arch, steps)
+    return _assert_close(got, {"params": ref_params, "optim": {"state": ref_moments}}, steps, TOLERANCE)
+
+
+#: a float32 Mixtral resumed at another TP degree against the same run uninterrupted: measured 1.5e-4 (TP 2 then 1
+#: against TP 1 throughout; Adam amplifies the float32 rounding of the first two steps)
+MIXTRAL_RESUME_TOLERANCE = 1e-3
+
+
+def _assert_close(got: dict, want: dict, steps: int, tolerance: float) -> float:
+    """Every parameter and AdamW moment of ``got`` within ``tolerance`` (relative to the largest value) of
+    ``want``'s, every step count ``steps``; returns the largest relative error."""
+    ref_params, ref_moments = want["params"], want["optim"]["state"]
     worst = 0.0
     assert sorted(got["params"]) == sorted(ref_params)
     for name, ref in ref_params.items():
         err = (got["params"][name] - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
-        assert err < TOLERANCE, f"{name}: relative error {err:.2e}"
+        assert err < tolerance, f"{name}: relative error {err:.2e}"
         worst = max(worst, err)
     state = got["optim"]["state"]
     assert sorted(state) == sorted(ref_moments), "the optimizer state must cover every parameter"
@@ -143,7 +155,7 @@ def _assert_equal_to_reference(got: dict, arch: str, steps: int) -> float:
         assert float(state[name]["step"]) == float(ref["step"]) == steps, name
         for key in ("exp_avg", "exp_avg_sq"):
             err = (state[name][key] - ref[key]).abs().max().item() / max(ref[key].abs().max().item(), 1e-12)
-            assert err < TOLERANCE, f"{name}.{key}: relative error {err:.2e}"
+            assert err < tolerance, f"{name}.{key}: relative error {err:.2e}"
             worst = max(worst, err)
     return worst
 
@@ -244,8 +256,11 @@ def test_resume_at_another_layout_is_exact(dist_pool, tmp_path, case):
     assert second["resumed_from"] == str(newest)
     assert not second["mapped"], "the loaded checkpoint file is still mapped after the run"
     _assert_identical(second["start"], first["end"])
-    if arch == "mixtral":  # its loss holds the router's auxiliary term: the float64 reference has none
-        assert second["end"]["optim"]["state"], "the resumed run must have stepped"
+    if arch == "mixtral":  # its loss holds the router's auxiliary term, which the float64 reference has not:
+        # the reference is the same 4 steps at the resumed layout without the interruption (float32)
+        straight = _run(dist_pool, resumed_at, str(tmp_path / "straight"), 4, False, 0)
+        worst = _assert_close(second["end"], straight["end"], 4, MIXTRAL_RESUME_TOLERANCE)
+        print(f"{case}: worst relative error against the uninterrupted run {worst:.2e}")
         return
     worst = _assert_equal_to_reference(second["end"], arch, 4)
     print(f"{case}: worst relative error {worst:.2e}")
