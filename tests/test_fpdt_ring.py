@@ -113,10 +113,10 @@ def test_fpdt_ring_matches_full_attention(dist_pool, world, ring):
 def test_fpdt_ring_layout():
     """``shard_sequence(..., chunk_size=c, ring=r)``: sp rank ``(j, u)`` holds chunk u of each ``U*c`` segment of
     ring rank j's two zigzag chunks; every local chunk is a run of c consecutive tokens; ``global_index`` agrees; lengths that split a segment are refused."""
-    from lightning_longctx.parallel.sharding import _ring_index
+    from lightning_longctx.parallel.layout import SequenceLayout
 
     n, world, ring, c = 32, 4, 2, 2
-    rows = _ring_index(n, world, ring, c)
+    rows = SequenceLayout(sp=world, ring=ring, chunk_size=c).index(n)
     assert rows.tolist() == [
         [0, 1, 4, 5, 24, 25, 28, 29],
         [2, 3, 6, 7, 26, 27, 30, 31],
@@ -125,14 +125,14 @@ def test_fpdt_ring_layout():
     ]
     for w, r, cc in ((2, 2, 2), (4, 2, 2), (4, 4, 1), (8, 2, 2), (8, 4, 1)):
         m = 2 * w * cc * 2
-        rows = _ring_index(m, w, r, cc)
+        rows = SequenceLayout(sp=w, ring=r, chunk_size=cc).index(m)
         assert sorted(rows.flatten().tolist()) == list(range(m))
         runs = rows.reshape(w, -1, cc)
         assert bool((runs[..., 1:] - runs[..., :-1] == 1).all())  # every chunk a run
         for rank in range(w):
             assert torch.equal(global_index(m // w, rank=rank, world=w, chunk_size=cc, ring=r), rows[rank])
     with pytest.raises(ValueError, match=r"sequence length 24 is not divisible by 16 \(ring_size=2"):
-        _ring_index(24, 4, 2, 2)
+        SequenceLayout(sp=4, ring=2, chunk_size=2).index(24)
 
 
 def _gather_roundtrip(ring: int) -> bool:

@@ -440,13 +440,14 @@ def test_strategy_ring_refusals():
 def test_shard_batch_ring_layout_is_the_ring_layouts():
     """``shard_batch(..., ring=r)`` gives sp rank ``j*U + u`` ``RingLayout.sp_shard``'s tokens, pads to 2P, and
     ``gather_sequence`` / ``global_index`` invert it (one process standing in for each rank's view)."""
-    from lightning_longctx.parallel.sharding import _ring_index, global_index
+    from lightning_longctx.parallel.layout import SequenceLayout
+    from lightning_longctx.parallel.sharding import global_index
 
     for world, ring in ((2, 2), (4, 2), (4, 4), (8, 2)):
         n, u_size = 16 * world, world // ring
         layout = RingLayout(ring_size=ring, seq_len=n, kind="zigzag")
         x = torch.arange(n)[None]
-        rows = _ring_index(n, world, ring)
+        rows = SequenceLayout(sp=world, ring=ring).index(n)
         for s in range(world):
             j, u = divmod(s, u_size)
             assert torch.equal(rows[s], layout.sp_shard(x, j, u, u_size)[0])

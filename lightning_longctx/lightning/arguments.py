@@ -89,7 +89,7 @@ def check_keywords(
             )
     if data_parallel != "fsdp":
         return
-    ddp_only = {**{n: p for n, p in ddp.items()}, **{n: own[n] for n in DDP_STRATEGY_ONLY}}
+    ddp_only = {**ddp, **{n: own[n] for n in DDP_STRATEGY_ONLY}}
     for name, value in {**kwargs, **named}.items():
         if name in ddp_only and not _is_default(value, ddp_only[name]):
             raise TypeError(

@@ -167,11 +167,8 @@ class UlyssesFPDTStrategy(FirstStepChecks, CheckpointHooks, ParallelStrategy):
         self._ddp_kwargs: dict[str, Any] = {}
         if self.sp_config.data_parallel == "ddp":
             self._ddp_kwargs = {"gradient_as_bucket_view": gradient_as_bucket_view, **kwargs}
-        self._ddp_comm = {
-            "comm_state": ddp_comm_state,
-            "comm_hook": ddp_comm_hook,
-            "comm_wrapper": ddp_comm_wrapper,
-        }
+        #: the DDP piece's communication hook: ``DDPReplication``'s ``comm_state`` / ``comm_hook`` / ``comm_wrapper``
+        self._ddp_comm = {name.removeprefix("ddp_"): value for name, value in comm.items()}
         self._forward_redirection = _DDPForwardRedirection()  # manual optimisation under DDP: its sync flag
         self._config: ResolvedConfig | None = None
         #: the run's parallel plan (parallel/plan.py): mesh, model half, batch half; setup_environment to teardown

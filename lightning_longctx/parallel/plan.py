@@ -212,16 +212,10 @@ class ParallelPlan:
             full = global_positions(batch, group=self.mesh.sp_group, chunk_size=chunk, ring=ring)
             for ctx in self.contexts:
                 ctx.positions = BatchPositions(local=out["position_ids"], full=full, length=ids.shape[1])
-            self._check_rope_locally(batch, ids.shape[1])
+            # without position ids the length decides, alike on every rank (with them, every rank's largest)
+            if "position_ids" not in batch:
+                self._check_rope(ids.shape[1])
         return out
-
-    def _check_rope_locally(self, batch: Mapping[str, Any], seq_len: int) -> None:
-        """A sequence longer than a model's RoPE covers, known without positions (alike on every rank)."""
-        if "position_ids" in batch:
-            return  # their largest value decides, over every rank (``_agree``)
-        for ctx in self.contexts:
-            if ctx.rope_limit is not None and seq_len > ctx.rope_limit.limit:
-                raise ctx.rope_limit.error(ctx.model_name, seq_len)
 
     def _facts(self, batch: Mapping[str, Any], out: Mapping[str, Any]) -> dict[str, int]:
         """This rank's row of the batch check (``_FACTS``)."""

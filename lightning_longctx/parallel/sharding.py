@@ -44,13 +44,6 @@ def local_chunk(chunk_size: int, local_len: int, ring: int = 1) -> int:
     return cast(int, SequenceLayout(sp=ring, ring=ring, chunk_size=chunk_size).local_chunk(local_len))
 
 
-def _ring_index(
-    n: int, world: int, ring: int, chunk_size: int | None = None, device: torch.device | None = None
-) -> torch.Tensor:
-    """``(world, n / world)``: the global index of every sp rank's tokens (``SequenceLayout.index``)."""
-    return SequenceLayout(sp=world, ring=ring, chunk_size=chunk_size).index(n, device)
-
-
 def global_index(
     local_len: int,
     *,
