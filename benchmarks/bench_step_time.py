@@ -15,6 +15,7 @@ not the prediction (rerun when it was busy).
     python benchmarks/bench_step_time.py              # the grid: ~10-20 min on 2 idle cores
     python benchmarks/bench_step_time.py --smoke      # 2 tiny points, < 1 min
     python benchmarks/bench_step_time.py --published  # the published table only (no runs)
+    python benchmarks/bench_step_time.py --comm       # communication-bound points (Ulysses, short rows), ~1 min
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_throughput import _fit_once
-from calibrate_step_time import calibrate_cpu
+from calibrate_step_time import calibrate_cpu, collective_seconds
 from common import add_model_args, format_table, launch, save_results
 
 from lightning_longctx.planner.published import PUBLISHED_RUNS
@@ -37,6 +38,22 @@ from lightning_longctx.planner.step_time import estimate_step_time
 #: (P, N) points of the grid; each runs every mode
 GRID = ((1, 2048), (1, 4096), (1, 8192), (2, 4096), (2, 8192), (2, 16384), (4, 8192), (4, 16384))
 MODES = ("ulysses", "fpdt", "fpdt_offload")
+#: ``--comm``: short rows (64 tokens per rank), where DDP's gradient all-reduce is a third to a half of the
+#: step, and P = 1 at the same rows (no collective): the points that see how the model prices a collective
+#: (the grid above is compute-bound)
+COMM_GRID = ((1, 64), (2, 128), (4, 256))
+#: ``--comm``'s collectives alone: (kind, ranks), a buffer of COLLECTIVE_BYTES per rank
+COLLECTIVES = (("all_to_all", 2), ("all_to_all", 4), ("all_reduce", 2), ("all_reduce", 4))
+COLLECTIVE_BYTES = 8 << 20
+COLLECTIVE_COLUMNS = [
+    ("collective", "collective", ""),
+    ("ranks", "ranks", ""),
+    ("sent_mib", "MiB a rank sends", ".3g"),
+    ("measured_ms", "measured ms", ".1f"),
+    ("predicted_ms", "predicted ms", ".1f"),
+    ("error_pct", "error %", "+.1f"),
+    ("counted_twice_ms", "(n-1)/n twice: ms", ".1f"),
+]
 COLUMNS = [
     ("world_size", "P", ""),
     ("seq_len", "N", ""),
@@ -46,6 +63,7 @@ COLUMNS = [
     ("predicted_s", "predicted s", ".3f"),
     ("error_pct", "error %", "+.1f"),
     ("binding", "binds", ""),
+    ("comm_pct", "comm %", ".0f"),
     ("status", "status", ""),
 ]
 PUBLISHED_COLUMNS = [
@@ -57,7 +75,9 @@ PUBLISHED_COLUMNS = [
     ("mfu_pct", "our MFU %", ".1f"),
     ("hfu_pct", "our HFU %", ".1f"),
     ("binding", "binds", ""),
+    ("tolerance", "tolerance", ""),
     ("within", "within", ""),
+    ("fitted", "fitted", ""),
 ]
 
 
@@ -71,9 +91,26 @@ def published_rows() -> list[dict[str, Any]]:
             "published": run.published, "predicted": run.predicted(est),
             "error": f"{100 * err:+.1f} %" if run.metric == "step_s" else f"{err:+.1f} pts",
             "mfu_pct": 100 * est.mfu, "hfu_pct": 100 * est.hfu, "binding": est.binding,
-            "within": "yes" if run.within(est) else "**no**", "source": run.source, "assumption": run.assumption,
+            "tolerance": run.tolerance_text(), "within": "yes" if run.within(est) else "**no**",
+            "fitted": "yes" if run.fit else "", "fit": run.fit, "source": run.source, "assumption": run.assumption,
         })  # fmt: skip
     return rows
+
+
+def _communication_by_difference(rows: list[dict[str, Any]]) -> str:
+    """``--comm``: each P > 1 step minus the P = 1 step at the same tokens per rank, measured and predicted
+    (what the ranks add: the collectives and, past the cores, the sharing of them)."""
+    one = next((r for r in rows if r["world_size"] == 1 and r.get("measured_s")), None)
+    if one is None:
+        return "no P = 1 point: no difference"
+    lines = []
+    for r in rows:
+        if r["world_size"] > 1 and r.get("measured_s"):
+            got, want = r["measured_s"] - one["measured_s"], r["predicted_s"] - one["predicted_s"]
+            lines.append(
+                f"P={r['world_size']} minus P=1: measured {got * 1e3:.1f} ms, predicted {want * 1e3:.1f} ms"
+            )
+    return "\n".join(lines)
 
 
 def chunk_for(n: int, p: int, mode: str) -> int | None:
@@ -102,6 +139,28 @@ def measure(
         return {"status": done.error.splitlines()[0], "log_tail": done.log[-2000:]}
     steps = done.results[0]["step_s"]
     return {"status": "ok", "step_s": steps, "measured_s": statistics.median(steps[args.warmup :])}
+
+
+def collectives(spec: Any, timeout: float) -> list[dict[str, Any]]:
+    """Each of :data:`COLLECTIVES` on fresh gloo ranks (one thread each), the median time of a call against
+    the model's price: the bytes a rank sends, ``(n-1)/n`` of the buffer for an all-to-all and ``2(n-1)/n`` for
+    an all-reduce, at the calibration's rate (an all-to-all of 2 ranks); beside it, what the model said when it
+    counted ``(n-1)/n`` twice (before issue 43)."""
+    from lightning_longctx.planner.step_time import _transfer_s
+
+    rows = []
+    for kind, n in COLLECTIVES:
+        done = launch(collective_seconds, n, kind, COLLECTIVE_BYTES, threads=1, timeout_s=timeout)
+        if done.error:
+            rows.append({"collective": kind, "ranks": n, "status": done.error.splitlines()[0]})
+            continue
+        sent = (2 if kind == "all_reduce" else 1) * (n - 1) / n * COLLECTIVE_BYTES
+        predicted = _transfer_s(spec, sent, n, 1, n)
+        measured = max(done.results)
+        rows.append({"collective": kind, "ranks": n, "sent_mib": sent / 2**20, "measured_ms": 1e3 * measured,
+                     "predicted_ms": 1e3 * predicted, "error_pct": 100 * (predicted / measured - 1),
+                     "counted_twice_ms": 1e3 * predicted * (n - 1) / n, "status": "ok"})  # fmt: skip
+    return rows
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
@@ -157,7 +216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--smoke", action="store_true", help="two tiny points")
-    p.add_argument("--out", default="benchmarks/results/step_time.json")
+    p.add_argument("--comm", action="store_true", help="the communication-bound points (COMM_GRID)")
+    p.add_argument("--out", default=None, help="default benchmarks/results/step_time[_comm].json")
     p.add_argument("--png", default="docs/img/step_time.png")
     p.add_argument("--replot", action="store_true", help="redraw --png from the rows of --out (no runs)")
     return p.parse_args(argv)
@@ -165,6 +225,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.out = args.out or f"benchmarks/results/step_time{'_comm' if args.comm else ''}.json"
     if args.replot:
         import json
 
@@ -174,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(pub, PUBLISHED_COLUMNS))
     if args.published:
         return 0
-    grid = ((1, 1024), (2, 2048)) if args.smoke else GRID
+    grid = ((1, 1024), (2, 2048)) if args.smoke else COMM_GRID if args.comm else GRID
+    modes = ("ulysses",) if args.comm else MODES
     model = {"model_type": "llama", "hidden_size": args.hidden, "intermediate_size": args.intermediate,
              "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
              "num_key_value_heads": args.heads, "vocab_size": args.vocab,
@@ -183,15 +245,19 @@ def main(argv: list[str] | None = None) -> int:
     t0, load_before = time.perf_counter(), os.getloadavg()
     spec = calibrate_cpu(seconds=0.5 if args.smoke else 3.0)
     print(f"calibration: {spec.to_dict()}")
+    collective_rows = collectives(spec, args.timeout) if args.comm else []
+    if collective_rows:
+        print(format_table(collective_rows, COLLECTIVE_COLUMNS))
     rows = []
     for p, n in grid:
-        for mode in MODES:
+        for mode in modes:
             chunk = chunk_for(n, p, mode)
             est = predict(spec, model, p, n, mode, chunk)
             load = os.getloadavg()[0]
             got = measure(args, model, p, n, mode, chunk)
             row = {"world_size": p, "seq_len": n, "mode": mode, "chunk_size": chunk, "predicted_s": est.step_time_s,
                    "binding": est.binding, "load_1min": load, **got,
+                   "comm_pct": 100 * est.exposed_communication_s / est.step_time_s,
                    "components": {c.name: c.exposed for c in est.components}}  # fmt: skip
             if got.get("measured_s"):
                 row["error_pct"] = 100 * (est.step_time_s / got["measured_s"] - 1)
@@ -206,11 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{within} of {len(errors)} points within ±25 %; load average before {load_before}, after {load_after}"
     )
+    if args.comm:
+        print(_communication_by_difference(rows))
     fields = {"calibration": spec.to_dict(), "model": model, "rows": rows, "published": pub,
+              "collectives": collective_rows,
               "within_25pct": within, "points": len(errors), "load_before": load_before, "load_after": load_after,
               "cpu_count": os.cpu_count(), "elapsed_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
     save_results("step_time", vars(args), fields, args.out)
-    png = plot(rows, Path(args.png))
+    png = None if args.comm else plot(rows, Path(args.png))
     if png:
         print(f"wrote {png}")
     return 0

@@ -11,6 +11,9 @@ threads (one rank); ``cores`` = ``os.cpu_count()``.
     python benchmarks/calibrate_step_time.py --out cpu.json              # ~10 s
     lightning-longctx plan --config examples/configs/demo_cpu.yaml --gpu cpu --device-spec cpu.json
 
+``--max-tokens 2048`` stops the attention ramp at its reference length (a few seconds; beyond it the model
+holds the 2048-token rate): the smallest calibration, ``tests/test_benchmarks_smoke.py``'s.
+
 ``bench_step_time.py`` calls :func:`calibrate_cpu` before comparing the model with measured steps.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,14 +35,28 @@ from lightning_longctx.planner.step_time import OPS_OPTIMIZER, OPS_PER_LAYER
 
 #: the attention kernel's lengths (tokens) measured; the spec's reference rate is the one at 2048
 ATTENTION_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
+REFERENCE_TOKENS = 2048
 
 
-def calibrate_cpu(*, path: str | Path | None = None, threads: int = 1, seconds: float = 1.0) -> DeviceSpec:
+def calibrate_cpu(
+    *,
+    path: str | Path | None = None,
+    threads: int = 1,
+    seconds: float = 1.0,
+    max_tokens: int = ATTENTION_LENGTHS[-1],
+) -> DeviceSpec:
     """This machine's rates as a :class:`DeviceSpec` (``gpu=calibrate_cpu()`` in ``estimate_step_time``),
-    measured for about ``10 * seconds`` seconds with ``threads`` threads per rank; ``path``: also written
+    measured for about ``10 * seconds`` seconds with ``threads`` threads per rank, the attention at the lengths
+    of :data:`ATTENTION_LENGTHS` up to ``max_tokens`` (at least 2048, the reference); ``path``: also written
     there as JSON (``devices.load_spec`` reads it back)."""
     import torch
 
+    if max_tokens < REFERENCE_TOKENS:
+        raise ValueError(
+            f"max_tokens={max_tokens}: the attention's reference rate is measured at {REFERENCE_TOKENS} tokens; "
+            f"give {REFERENCE_TOKENS} or more"
+        )
+    lengths = tuple(n for n in ATTENTION_LENGTHS if n <= max_tokens)
     torch.set_num_threads(threads)
     budget = max(0.02, seconds / 26)  # 26 timed pieces
     # the three GEMMs of a linear layer's training step: forward, input gradient, weight gradient (K = tokens)
@@ -51,16 +69,15 @@ def calibrate_cpu(*, path: str | Path | None = None, threads: int = 1, seconds: 
     bandwidth = _rate(lambda: y.copy_(x), 2.0 * x.numel() * 4, budget)
     latency = _eager_op_latency(budget)
     measured = tuple(
-        (n, *_cpu_attention_rates(n, budget, True), *_cpu_attention_rates(n, budget, False))
-        for n in ATTENTION_LENGTHS
+        (n, *_cpu_attention_rates(n, budget, True), *_cpu_attention_rates(n, budget, False)) for n in lengths
     )
-    ref = measured[ATTENTION_LENGTHS.index(2048)]
-    a2a = _gloo_all_to_all_bandwidth(budget)
+    ref = measured[lengths.index(REFERENCE_TOKENS)]
+    a2a = _gloo_all_to_all_bandwidth()
     cores = os.cpu_count() or 1
     spec = DeviceSpec(
         name=f"CPU ({cores} cores, {threads} thread(s) per rank, measured)",
         peak_flops=matmul, matmul_flops=matmul,
-        attention={"cpu-flash": KernelRate(ref[1], ref[2], half_tokens=0, reference_tokens=2048, measured=measured)},
+        attention={"cpu-flash": KernelRate(ref[1], ref[2], half_tokens=0, reference_tokens=REFERENCE_TOKENS, measured=measured)},
         default_kernel="cpu-flash", memory_bandwidth=bandwidth, intra_node_bandwidth=a2a,
         inter_node_bandwidth=a2a, host_link_bandwidth=bandwidth, host_memory_bandwidth=bandwidth,
         device_memory=_host_memory_bytes(), op_latency=latency, overlap=False, cores=cores,
@@ -137,39 +154,39 @@ def _cpu_attention_rates(n: int, budget: float, causal: bool) -> tuple[float, fl
     return flops / fwd, 2.5 * flops / bwd
 
 
-def _gloo_all_to_all_bandwidth(budget: float) -> float:
-    """Bytes per second one of two local gloo ranks sends in ``all_to_all_single`` (4 MiB per rank), on two
-    fresh processes (``common.launch``, one thread each)."""
-    ranks = launch(_all_to_all_rank, 2, budget, threads=1, timeout_s=300.0)
+def _gloo_all_to_all_bandwidth() -> float:
+    """Bytes per second one of two local gloo ranks sends in ``all_to_all_single`` (8 MiB per rank, half of it
+    to the peer): NCCL's bus-bandwidth convention, the rate the step-time model divides the bytes a rank sends
+    by. Two fresh processes (``common.launch``, one thread each); the median call (:func:`collective_seconds`)."""
+    nbytes = 8 << 20
+    ranks = launch(collective_seconds, 2, "all_to_all", nbytes, threads=1, timeout_s=300.0)
     if ranks.error:
         raise RuntimeError(f"calibrate_cpu: the gloo all-to-all ranks failed: {ranks.error}\n{ranks.log}")
-    return min(ranks.results)
+    return nbytes / 2 / max(ranks.results)
 
 
-def _all_to_all_rank(budget: float) -> float:
-    """One rank of :func:`_gloo_all_to_all_bandwidth` (the group from the launcher's torchrun variables): the
-    bytes per second it sent."""
+def collective_seconds(kind: str, nbytes: int, calls: int = 10) -> float:
+    """One rank (the group from the launcher's torchrun variables): the median seconds of ``kind``
+    (``"all_to_all"`` or ``"all_reduce"``) over a buffer of ``nbytes``, each call timed alone between barriers,
+    after 2 warm-up calls."""
     import torch
     import torch.distributed as dist
 
-    from lightning_longctx.parallel import comm
-
     dist.init_process_group("gloo")
     try:
-        n = dist.get_world_size()
-        x = torch.randn(1 << 20)  # 4 MiB, half of it to the peer
+        x = torch.randn(nbytes // 4)
         y = torch.empty_like(x)
-        dist.all_to_all_single(y, x)  # the measured collective itself, not a layout of comm.py's
-        comm.barrier()
-        count, start = 0, time.perf_counter()
-        while True:
-            dist.all_to_all_single(y, x)
-            count += 1
-            flag = torch.tensor([int(time.perf_counter() - start > budget)])
-            comm.all_reduce_(flag, op="min")
-            if flag.item():
-                break
-        return count * x.numel() * 4 * (n - 1) / n / (time.perf_counter() - start)
+        call = (
+            (lambda: dist.all_to_all_single(y, x)) if kind == "all_to_all" else (lambda: dist.all_reduce(x))
+        )
+        times = []
+        for i in range(calls + 2):
+            dist.barrier()
+            start = time.perf_counter()
+            call()  # the measured collective itself, not a layout of comm.py's
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
     finally:
         dist.destroy_process_group()
 
@@ -179,12 +196,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="the DeviceSpec JSON to write (read by --device-spec)")
     p.add_argument("--threads", type=int, default=1, help="threads per rank (default: 1)")
     p.add_argument("--seconds", type=float, default=1.0, help="timing budget; the whole run takes ~10x this")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=ATTENTION_LENGTHS[-1],
+        choices=[n for n in ATTENTION_LENGTHS if n >= REFERENCE_TOKENS],
+        help=f"the longest attention measured (default {ATTENTION_LENGTHS[-1]}; {REFERENCE_TOKENS}: the quickest)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    spec = calibrate_cpu(path=args.out, threads=args.threads, seconds=args.seconds)
+    spec = calibrate_cpu(
+        path=args.out, threads=args.threads, seconds=args.seconds, max_tokens=args.max_tokens
+    )
     print(f"wrote {args.out}: {spec.name}; {spec.source}")
     return 0
 

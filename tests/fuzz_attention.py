@@ -12,7 +12,8 @@ float64.
 :func:`run_attention` runs one case on every rank (forward and backward, gathered) against
 ``reference.reference_attention`` in float64 on the whole sequence: output, dq, dk, dv and the sinks'
 gradient within :data:`TOLERANCE` (relative to each reference tensor's largest value, see
-:data:`FLOOR`), or a clear refusal (``fuzz_common``).
+:data:`FLOOR`), or a refusal the package documents for that call (:data:`EXPECTED_REFUSALS`; any other refusal
+fails, ``fuzz_common``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from fuzz_common import REFUSALS, refusal_or_raise
+from fuzz_common import REFUSALS, ExpectedRefusal, refusal_or_raise
 from hypothesis import assume
 from hypothesis import strategies as st
 
@@ -142,6 +143,38 @@ def attention_cases(
         ring_size=ring,
         ring_kind=kind,
     )
+
+
+#: The refusals the package documents for calls :func:`attention_cases` draws (the backends' limits), and why each
+#: is expected; any other refusal fails (``fuzz_common.classify_refusal``).
+EXPECTED_REFUSALS = (
+    ExpectedRefusal(
+        "fused block kernel with soft-capping",
+        applies=lambda c: c.backend == "fused" and c.softcap is not None,
+        message=r"no fused block kernel applies logit soft-capping",
+        reason="docs/troubleshooting.md: FPDT and the ring take 'fused' blocks, which have no soft-cap; "
+        "backend='auto' picks the math blocks",
+    ),
+    ExpectedRefusal(
+        "sdpa with soft-capping",
+        applies=lambda c: c.backend == "sdpa" and c.softcap is not None,
+        message=r"the 'sdpa' backend cannot apply logit softcapping",
+        reason="PyTorch's scaled_dot_product_attention has no soft-cap (docs/benchmarks.md, the fuzz's refusals)",
+    ),
+    ExpectedRefusal(
+        "sdpa with sinks",
+        applies=lambda c: c.backend == "sdpa" and c.sinks,
+        message=r"backend cannot add attention sinks",
+        reason="docs/troubleshooting.md: sdpa gives no differentiable log-sum-exp to add the sinks to",
+    ),
+    ExpectedRefusal(
+        "sdpa in the ring",
+        applies=lambda c: c.backend == "sdpa" and c.ring_size > 1,
+        message=r"computes its blocks with kernels that return the log-sum-exp",
+        reason="docs/troubleshooting.md: the ring merges FPDT's blocks by their log-sum-exp, which sdpa does not "
+        "return",
+    ),
+)
 
 
 def positions(docs: tuple[tuple[int, ...], ...]) -> torch.Tensor:

@@ -11,9 +11,14 @@ beside the test modules it draws from, which import each other by name.)
 
 Every trial is one drawn configuration run on real gloo ranks against the single-process reference
 (``tests/fuzz_common.py``: exact / refused / failing; a dead rank or a hang is failing, with the ranks
-named). The strategy target also draws the evaluation callbacks (``PositionalLoss``, ``NeedleRetrieval``) in a
-validation run after the step: their metrics must equal the reference's too. Prints a table of verdicts per mode and world size, every failing configuration as a line ready
-to paste into ``REGRESSIONS`` of tests/test_fuzz.py, and writes the JSON (``--out``: the counts, the refusals by message and every failing case).
+named; a refusal is failing unless the target's table of documented refusals, ``EXPECTED_REFUSALS`` of
+``fuzz_strategy`` / ``fuzz_attention``, names it for that configuration). The strategy target also draws the
+evaluation callbacks (``PositionalLoss``, ``NeedleRetrieval``) in a validation run after the step: their metrics
+must equal the reference's too. Prints a table of verdicts per mode and world size, the refusals by message with
+the expected class each is (unexpected ones are failing), for the strategy target the distribution of the draws
+(sp, ring, mode, offload, packed, hybrid, world, dp, tp), every failing configuration as a line ready to paste
+into ``REGRESSIONS`` of tests/test_fuzz.py, and writes the JSON (``--out``: the counts, the distribution, the
+refusals by message and every failing case).
 """
 
 from __future__ import annotations
@@ -34,17 +39,23 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 def _targets(
     archs: list[str] | None = None, worlds: list[int] | None = None, ring_only: bool = False
 ) -> dict:
-    """name -> (strategy of cases, the per-rank runner, tolerance, timeout per trial in s); ``archs``: the
-    strategy target draws only these architectures; ``worlds``: the attention target only these world sizes,
-    ``ring_only``: only Ulysses x ring (``ring_size > 1``)."""
+    """name -> (strategy of cases, the per-rank runner, tolerance, timeout per trial in s, its documented
+    refusals); ``archs``: the strategy target draws only these architectures; ``worlds``: the attention target
+    only these world sizes, ``ring_only``: only Ulysses x ring (``ring_size > 1``)."""
     import fuzz_attention as attn
     import fuzz_strategy as strat
 
     worlds = [w for w in worlds or [1, 2, 4] if w > 1 or not ring_only]  # a ring needs two ranks
     attn_cases = attn.attention_cases(tuple(worlds), ring_only=ring_only)
     return {
-        "attention": (attn_cases, attn.run_attention, attn.TOLERANCE, attn.TIMEOUT_S),
-        "strategy": (strat.strategy_cases(archs), strat.run_strategy, strat.TOLERANCE, strat.TIMEOUT_S),
+        "attention": (attn_cases, attn.run_attention, attn.TOLERANCE, attn.TIMEOUT_S, attn.EXPECTED_REFUSALS),
+        "strategy": (
+            strat.strategy_cases(archs),
+            strat.run_strategy,
+            strat.TOLERANCE,
+            strat.TIMEOUT_S,
+            strat.EXPECTED_REFUSALS,
+        ),
     }
 
 
@@ -64,7 +75,7 @@ def search(
 
     from lightning_longctx.testing import WarmPools
 
-    cases, runner, tolerance, timeout = _targets(archs, worlds, ring_only)[target]
+    cases, runner, tolerance, timeout, expected = _targets(archs, worlds, ring_only)[target]
     pool_of = WarmPools()
     rows: list[dict] = []
 
@@ -74,7 +85,7 @@ def search(
     @given(cases)
     def run(case) -> None:
         start = time.perf_counter()
-        verdict = run_verdict(pool_of, case.world, runner, case, tolerance, timeout)
+        verdict = run_verdict(pool_of, case.world, runner, case, tolerance, timeout, expected)
         rows.append({"case": case, "verdict": verdict, "seconds": time.perf_counter() - start})
         if not quiet and verdict.kind == "failing":
             print(f"FAILING {case!r}\n  {verdict.detail[:500]}", flush=True)
@@ -120,6 +131,19 @@ def summarize(rows: list[dict]) -> list[dict]:
     ]  # fmt: skip
 
 
+def refusals_by_message(rows: list[dict]) -> dict[str, int]:
+    """``"refused (expected: <class>): <message>" -> trials``, and ``"UNEXPECTED refusal: <message>"`` for the
+    failing trials that refused a configuration the package promises to run (each message's first 120
+    characters), most first."""
+    keys = []
+    for r in rows:
+        v = r["verdict"]
+        if v.refusal:
+            what = f"refused (expected: {v.expected})" if v.kind == "refused" else "UNEXPECTED refusal"
+            keys.append(f"{what}: {v.refusal.split(';')[0][:120]}")
+    return dict(collections.Counter(keys).most_common())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", choices=["attention", "strategy"], default="attention")
@@ -152,16 +176,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.target == "attention":
         rings = sum(1 for r in rows if r["case"].ring_size > 1)
         print(f"Ulysses x ring (ring_size > 1, usp_attention) drawn in {rings} of {len(rows)} trials")
-    refusals = collections.Counter(
-        r["verdict"].detail.split(";")[0][:120] for r in rows if r["verdict"].kind == "refused"
+    from fuzz_common import expected_refusals
+
+    expected = _targets(archs, args.worlds, args.ring_only)[args.target][4]
+    promised = sum(1 for r in rows if not expected_refusals(r["case"], expected))
+    print(
+        f"{promised} of {len(rows)} trials drew a configuration the package promises to run (no documented refusal)"
     )
-    for why, n in refusals.most_common():
-        print(f"  refused x{n}: {why}")
-    drawn = {
-        name: sum(1 for r in rows if getattr(r["case"], attr, None) not in (None, False))
-        for name, attr in (("PositionalLoss", "positional_loss"), ("NeedleRetrieval", "needle"))
-    }
+    refusals = refusals_by_message(rows)
+    for why, n in refusals.items():
+        print(f"  {why} x{n}")
+    seen = {r["verdict"].expected for r in rows if r["verdict"].expected}
+    for entry in expected:
+        if entry.name in seen:
+            print(f"  why '{entry.name}' is expected: {entry.reason}")
+    dist, drawn = {}, {}
     if args.target == "strategy":
+        from fuzz_strategy import distribution
+
+        dist = distribution(r["case"] for r in rows)
+        for name, counts in dist.items():
+            print(f"drawn {name}: " + ", ".join(f"{value} x{n}" for value, n in counts.items()))
+        drawn = {
+            name: sum(1 for r in rows if getattr(r["case"], attr) not in (None, False))
+            for name, attr in (("PositionalLoss", "positional_loss"), ("NeedleRetrieval", "needle"))
+        }
         print("validation callbacks drawn: " + ", ".join(f"{k} in {v} trials" for k, v in drawn.items()))
     failing = [r for r in rows if r["verdict"].kind == "failing"]
     if failing:
@@ -177,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "ring_only": args.ring_only, "wall_s": wall,
         "environment": environment(), "summary": table, "worst_exact_error": worst,
         "seconds_per_trial": {"mean": sum(seconds) / max(len(seconds), 1), "max": max(seconds, default=0.0)},
-        "refusals": dict(refusals.most_common()),
-        "callbacks_drawn": drawn if args.target == "strategy" else {},
+        "promised": promised, "refusals": refusals, "distribution": dist, "callbacks_drawn": drawn,
         "failing": [{"case": asdict(r["case"]), "verdict": asdict(r["verdict"])} for r in failing],
     })  # fmt: skip
     print(f"wrote {out}")

@@ -1,31 +1,37 @@
 """Randomized differential testing of the strategy: one real ``Trainer`` step against one process.
 
-:func:`strategy_cases` draws an architecture from the sweep's list (``arch_sweep.ARCHS``, dense ones:
-the MoE auxiliary loss has its own tests; mostly those the sweep finds exact, sometimes a refused one), the world size and sequence-parallel size (dp = world / sp),
-gradient accumulation, Ulysses or FPDT (chunk size), Ulysses x ring (``ring_size``, hybrid models included), FPDT offload and overlap, activation checkpointing, activation
-offload, DDP or FSDP2 (with or without model-state offload to the host, with or without tensor parallelism over
-2 ranks: dp = world / (sp * tp); models without a TP plan or with heads not divisible refuse), packed documents (position ids
-restarting at 0, the first label of a document ignored as ``DataCollatorWithFlattening`` does), the sequence
-length (also one that does not divide), the loss normalization, a checkpoint round trip after the step
-(sharded or full: saved, the parameters overwritten, loaded back) and the evaluation callbacks in a validation
-run after the step: ``PositionalLoss`` (by token or by document position) and ``NeedleRetrieval`` (a short
-passkey grid). :func:`run_strategy` trains one optimizer step (SGD) under
-``UlyssesFPDTStrategy`` on every rank and compares EVERY parameter with a single-process loop on the
-same global batch, which runs each packed document on its own (so the reference knows nothing of our
-document masks), and the callbacks' metrics with the same loop's model after its step: relative error within
-:data:`TOLERANCE`, or a clear refusal (``fuzz_common``).
+:func:`strategy_cases` draws what the package exists for most often (weights: :data:`LAYOUTS`,
+:data:`FAMILIES`, :data:`RINGS`): sequence parallelism at 2 and 4 (beside data or tensor parallelism too),
+Ulysses x ring (``ring_size`` 2 and 4, in both modes), FPDT (chunk size) with offload, packed documents and the
+hybrid models; and less often one process, data or tensor parallelism alone, and any dense architecture of the
+sweep (``arch_sweep.ARCHS``; the MoE auxiliary loss has its own tests), the refused ones included. Besides: the
+sequence length (also one that does not divide), gradient accumulation, FPDT overlap, activation checkpointing,
+activation offload, DDP or FSDP2 (with or without model-state offload to the host; tensor parallelism over 2
+ranks under FSDP2: dp = world / (sp * tp)), packed documents (position ids restarting at 0, the first label of a
+document ignored as ``DataCollatorWithFlattening`` does), the loss normalization, a checkpoint round trip after
+the step (sharded or full: saved, the parameters overwritten, loaded back) and the evaluation callbacks in a
+validation run after the step: ``PositionalLoss`` (by token or by document position) and ``NeedleRetrieval`` (a
+short passkey grid). :func:`distribution` counts what a sample drew.
+
+:func:`run_strategy` trains one optimizer step (SGD) under ``UlyssesFPDTStrategy`` on every rank and compares
+EVERY parameter with a single-process loop on the same global batch, which runs each packed document on its own
+(so the reference knows nothing of our document masks), and the callbacks' metrics with the same loop's model
+after its step: relative error within :data:`TOLERANCE`, or a refusal the package documents for that
+configuration (:data:`EXPECTED_REFUSALS`; any other refusal fails, ``fuzz_common``).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import collections
+import functools
 import inspect
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from fuzz_common import REFUSALS, refusal_or_raise
+from fuzz_common import REFUSALS, ExpectedRefusal, refusal_or_raise
 from hypothesis import strategies as st
 from torch.utils.data import Dataset, DistributedSampler
 
@@ -41,14 +47,15 @@ POSITIONAL_BUCKETS = dict(first=4, log_base=2)  # 0-3, 4-7, 8-15, 16-31
 NEEDLE_DEPTHS = (0.0, 1.0)
 
 
-def _dense_archs() -> tuple[list[str], list[str]]:
+@functools.lru_cache(maxsize=1)
+def _dense_archs() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The sweep's dense architectures: ``(exact in both modes, all)``; the first from the sweep's
     generated page (tests/test_arch_sweep.py keeps it current)."""
     from arch_sweep import ARCHS, DOCS
 
-    dense = [a.name for a in ARCHS if not a.moe]
+    dense = tuple(a.name for a in ARCHS if not a.moe)
     exact = set(re.findall(r"^\| `([\w-]+)` \|.*\| exact \| exact \|$", DOCS.read_text(), flags=re.M))
-    return [n for n in dense if n in exact], dense
+    return tuple(n for n in dense if n in exact), dense
 
 
 @dataclass(frozen=True)
@@ -91,43 +98,178 @@ class StratCase:
         return self.world // (self.sp * self.tensor_parallel_size)
 
 
+def _weighted(weights: dict) -> list:
+    """The keys of ``weights``, each repeated its weight times, in order: ``st.sampled_from`` then draws each in
+    proportion to its weight (and shrinks toward the first)."""
+    return [key for key, weight in weights.items() for _ in range(weight)]
+
+
+#: (world, sp, tp), each drawn in proportion to its weight: sequence parallelism at 2 and 4, alone or beside data
+#: or tensor parallelism, in 13 of 16 draws; one process, data parallelism alone, tensor parallelism alone in 3
+LAYOUTS = {(2, 2, 1): 4, (4, 4, 1): 4, (4, 2, 1): 3, (4, 2, 2): 2, (1, 1, 1): 1, (2, 1, 1): 1, (2, 1, 2): 1}
+#: sp -> the ring degrees (Ulysses x ring, ``ring_size``) drawn at it, each in proportion to its weight
+RINGS = {1: {1: 1}, 2: {2: 1, 1: 1}, 4: {4: 1, 2: 1, 1: 1}}
+#: where the architecture is drawn from, in proportion: the sweep's dense attention models it finds exact, its
+#: exact hybrids (convolution halos, state passing), or any dense model of the sweep (refused ones as documented)
+FAMILIES = {"attention": 3, "hybrid": 2, "any": 1}
+
+
 @st.composite
 def strategy_cases(draw: st.DrawFn, archs: list[str] | None = None) -> StratCase:
-    world = draw(st.sampled_from([1, 2, 4]))
-    sp = draw(st.sampled_from([s for s in (1, 2, 4) if world % s == 0]))
-    chunk = draw(st.one_of(st.none(), st.integers(2, 4)))
+    """One drawn Trainer run (module docstring); ``archs``: draw the architecture from these alone."""
+    from arch_sweep import HYBRIDS
+
+    world, sp, tp = draw(st.sampled_from(_weighted(LAYOUTS)))
     exact, dense = _dense_archs()
-    # mostly models the sweep runs exactly; now and then any dense one (refused ones must refuse cleanly)
-    pool = archs or draw(st.sampled_from([exact] * 5 + [dense]))
-    case = StratCase(
+    pools = {
+        "attention": [a for a in exact if a not in HYBRIDS],
+        "hybrid": [a for a in exact if a in HYBRIDS],
+        "any": list(dense),
+    }
+    pool = archs or pools[draw(st.sampled_from(_weighted(FAMILIES)))]
+    chunk = draw(st.sampled_from([None, None, None, 4, 3, 2]))  # Ulysses in half the draws, else FPDT's chunk
+    data_parallel = "fsdp" if tp > 1 else draw(st.sampled_from(["ddp", "fsdp"]))
+    return StratCase(
         arch=draw(st.sampled_from(pool)),
         world=world,
         sp=sp,
-        seq=draw(st.sampled_from([16, 23, 24])),
+        seq=draw(st.sampled_from([24, 16, 23])),
         accumulate=draw(st.integers(1, 2)),
         fpdt_chunk_size=chunk,
-        offload=chunk is not None and draw(st.booleans()),
+        offload=chunk is not None and draw(st.sampled_from([True, True, True, False])),
         fpdt_overlap=chunk is None or draw(st.booleans()),
         activation_checkpointing=draw(st.booleans()),
         activation_offload=draw(st.booleans()),
-        data_parallel=draw(st.sampled_from(["ddp", "fsdp"])),
-        packed=draw(st.booleans()),
+        data_parallel=data_parallel,
+        cpu_offload=data_parallel == "fsdp" and draw(st.booleans()),
+        tensor_parallel_size=tp,
+        packed=draw(st.sampled_from([True, True, False])),
         loss_normalization=draw(st.sampled_from(["tokens", "micro_batch"])),
         seed=draw(st.integers(0, 2**16)),
-    )
-    if case.data_parallel == "fsdp":  # drawn last: the earlier draws of every example stay as they were
-        case = dataclasses.replace(case, cpu_offload=draw(st.booleans()))
-        if world % (2 * sp) == 0:
-            case = dataclasses.replace(case, tensor_parallel_size=draw(st.sampled_from([1, 2])))
-    case = dataclasses.replace(case, checkpoint=draw(st.sampled_from([None, "sharded", "full"])))
-    case = dataclasses.replace(
-        case,
+        checkpoint=draw(st.sampled_from([None, "sharded", "full"])),
         positional_loss=draw(st.sampled_from([None, "token", "document"])),
         needle=draw(st.booleans()),
+        ring_size=draw(st.sampled_from(_weighted(RINGS[sp]))),  # both modes: FPDT chunks in the ring
     )
-    if case.sp > 1:  # drawn last: the earlier draws stay as they were (both modes: FPDT chunks in the ring)
-        case = dataclasses.replace(case, ring_size=draw(st.sampled_from(sorted({1, 2, case.sp}))))
-    return case
+
+
+def distribution(cases: Iterable[StratCase]) -> dict[str, dict[str, int]]:
+    """How often each value of the dimensions the package exists for was drawn, e.g. ``{"sp": {"1": 3, "2": 21,
+    "4": 16}, "hybrid": {"False": 26, "True": 14}, ...}`` (``offload``: FPDT's; ``hybrid``: ``arch_sweep.HYBRIDS``)."""
+    from arch_sweep import HYBRIDS
+
+    dims = {
+        "sp": lambda c: c.sp,
+        "ring": lambda c: c.ring_size,
+        "mode": lambda c: c.mode,
+        "offload": lambda c: c.offload,
+        "packed": lambda c: c.packed,
+        "hybrid": lambda c: c.arch in HYBRIDS,
+        "world": lambda c: c.world,
+        "dp": lambda c: c.dp,
+        "tp": lambda c: c.tensor_parallel_size,
+    }
+    cases = list(cases)
+    return {
+        name: dict(sorted(collections.Counter(str(f(c)) for c in cases).items())) for name, f in dims.items()
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the package documents as refused: every other drawn configuration it promises to run
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArchFacts:
+    """What the package's documents and the model's config say about one sweep architecture."""
+
+    #: mode -> the refusal docs/architectures.md records for it (the sweep's generated page)
+    refused: dict[str, str]
+    #: the config declares a tensor-parallel plan (``base_model_tp_plan``)
+    tp_plan: bool
+    #: tokens a segment needs from the one before it: a causal ``nn.Conv1d``'s k-1 (0: no such mixer)
+    halo: int
+
+
+@functools.lru_cache(maxsize=1)
+def _sweep_refusals() -> dict[tuple[str, str], str]:
+    """``(arch, mode) -> message`` of the "Refusals and failures" list of docs/architectures.md."""
+    from arch_sweep import DOCS
+
+    out = {}
+    for name, modes, message in re.findall(
+        r"^\* `([\w-]+)` \(([\w, ]+)\) refused: (.*)$", DOCS.read_text(), re.M
+    ):
+        for mode in modes.split(", "):
+            out[name, mode] = message
+    return out
+
+
+@functools.cache
+def arch_facts(name: str) -> ArchFacts:
+    """:class:`ArchFacts` of the sweep architecture ``name`` (its tiny model built once, for the halo)."""
+    from arch_sweep import HYBRIDS, arch_by_name, build_config, build_model
+
+    arch = arch_by_name(name)
+    halo = 0
+    if name in HYBRIDS:
+        convs = [m for m in build_model(arch).modules() if isinstance(m, torch.nn.Conv1d)]
+        halo = max([1] + [m.kernel_size[0] - 1 for m in convs])  # 1: RWKV's token shift
+    return ArchFacts(
+        refused={m: msg for (a, m), msg in _sweep_refusals().items() if a == name},
+        tp_plan=bool(getattr(build_config(arch), "base_model_tp_plan", None)),
+        halo=halo,
+    )
+
+
+def segment_length(case: StratCase) -> int:
+    """Tokens of the segments a hybrid's mixers run on (docs/troubleshooting.md: an FPDT chunk, the local shard,
+    or half of it under ``ring_size``), after the strategy's padding to a multiple of sp (x 2 with a ring, x the
+    chunk in FPDT; a sequence shorter than a chunk per rank, or per half, takes a chunk of what it has)."""
+    per_segment = -(-case.seq // (case.sp * (2 if case.ring_size > 1 else 1)))
+    return per_segment if case.fpdt_chunk_size is None else min(case.fpdt_chunk_size, per_segment)
+
+
+#: Models whose TP plan misses a parameter that consumes the activations it splits (docs/troubleshooting.md)
+TP_PLAN_MISSES = ("apertus",)
+
+#: The refusals the package documents for configurations :func:`strategy_cases` draws, and why each is expected. A
+#: refused trial that none of them applies to, or none whose message matches, is a configuration the package
+#: promises to run, and fails (``fuzz_common.classify_refusal``).
+EXPECTED_REFUSALS = (
+    ExpectedRefusal(
+        "architecture the sweep refuses",
+        applies=lambda c: c.mode in arch_facts(c.arch).refused,
+        message=lambda c: re.escape(arch_facts(c.arch).refused[c.mode][:80]),
+        reason="docs/architectures.md (the sweep's page, kept current by tests/test_arch_sweep.py) records this "
+        "(architecture, mode) as refused, with this message: attention computed inline (Bloom, MPT, Falcon, "
+        "GPT-Neo, StableLM), a model that edits its own mask (Doge), a logits transform FPDT's chunked loss cannot "
+        "reproduce (ModernBERT-decoder under FPDT). The strategy patches the model at sp 1 too",
+    ),
+    ExpectedRefusal(
+        "no tensor-parallel plan",
+        applies=lambda c: c.tensor_parallel_size > 1 and not arch_facts(c.arch).tp_plan,
+        message=r"declares no tensor-parallel plan",
+        reason="docs/troubleshooting.md, docs/user_guide.md: tensor_parallel_size splits a model by its own plan "
+        "(config.base_model_tp_plan); GPT-2, OPT, Persimmon, BitNet, the Mamba family, xLSTM, RWKV declare none",
+    ),
+    ExpectedRefusal(
+        "a parameter the TP plan misses",
+        applies=lambda c: c.tensor_parallel_size > 1 and c.arch in TP_PLAN_MISSES,
+        message=r"differ across the tensor-parallel ranks",
+        reason="docs/troubleshooting.md: Apertus' learnable xIELU consumes the activations its plan splits; "
+        "refused after the first backward, before the first update",
+    ),
+    ExpectedRefusal(
+        "a segment shorter than a convolution's halo",
+        applies=lambda c: arch_facts(c.arch).halo > segment_length(c),
+        message=r"needs the last \d+ tokens before each segment",
+        reason="docs/troubleshooting.md: a causal convolution of kernel k takes the k-1 tokens before each segment "
+        "from the segment before it alone: Qwen3.5's, OLMo-hybrid's and the Mamba family's k = 4 with FPDT chunks "
+        "of 2, or Ulysses x ring 4 over 16 tokens (2 per zigzag half)",
+    ),
+)
 
 
 class FuzzDataset(Dataset):

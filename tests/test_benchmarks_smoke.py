@@ -233,6 +233,39 @@ def test_bench_ring_bytes_are_the_formula(tmp_path: Path) -> None:
     assert png.stat().st_size > 0
 
 
+def test_calibrate_step_time_writes_a_spec_the_planner_reads(tmp_path: Path) -> None:
+    """``calibrate_cpu`` at its smallest (the attention up to its 2048-token reference, the shortest budget):
+    the DeviceSpec JSON it writes loads with ``planner.devices.load_spec``, every measured figure positive, and
+    the step-time model prices a step with it."""
+    from lightning_longctx.planner import estimate_step_time
+    from lightning_longctx.planner.devices import load_spec
+
+    out = tmp_path / "cpu.json"
+    proc = _run_script(
+        ["benchmarks/calibrate_step_time.py", "--out", str(out), "--seconds", "0.05", "--max-tokens", "2048"],
+        timeout=240,
+    )
+    assert f"wrote {out}" in proc.stdout
+    spec = load_spec(out)
+    rates = {
+        name: getattr(spec, name)
+        for name in ("peak_flops", "matmul_flops", "memory_bandwidth", "intra_node_bandwidth",
+                     "inter_node_bandwidth", "host_link_bandwidth", "host_memory_bandwidth", "device_memory",
+                     "op_latency", "cores")
+    }  # fmt: skip
+    assert all(v > 0 for v in rates.values()), rates
+    assert spec.default_kernel == "cpu-flash" and not spec.overlap
+    kernel = spec.attention["cpu-flash"]
+    assert kernel.forward > 0 and kernel.backward > 0 and kernel.reference_tokens == 2048
+    assert [row[0] for row in kernel.measured] == [256, 512, 1024, 2048]
+    assert all(rate > 0 for row in kernel.measured for rate in row[1:]), kernel.measured
+    config = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 768,
+              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
+              "max_position_embeddings": 65536}  # fmt: skip
+    est = estimate_step_time(config, seq_len=2048, sequence_parallel_size=2, gpu=spec)
+    assert est.step_time_s > 0 and 0 < est.mfu < 1
+
+
 def test_bench_checkpoint_smoke(tmp_path: Path) -> None:
     """Full vs sharded vs async checkpoints at world 2: every format saves, loads back what it saved (the script
     checks), and the sharded ones are torch.distributed.checkpoint directories with one shard file per rank."""

@@ -13,6 +13,8 @@ import dataclasses
 import inspect
 import io
 import json
+import math
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -29,6 +31,7 @@ from lightning_longctx.config import SequenceParallelConfig
 from lightning_longctx.lightning.fit_check import Unplannable, check_first_step, enabled, fit_check_capacity
 from lightning_longctx.parallel.self_test import probe_shape
 from lightning_longctx.planner import format_bytes, parse_bytes, plan_memory
+from lightning_longctx.testing import Sabotage, assert_catches, sabotaged
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 CAPACITY = "256MiB"
@@ -102,21 +105,32 @@ def test_all_ranks_refuse_together(dist_pool):
     assert "sp 1 x dp 2" in msg, msg
 
 
+def _as_info(rank_zero_warn):
+    """Sabotage: the strategy's warnings said as info lines (no ``UserWarning``)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    return rank_zero_info
+
+
 def _fit_causal_lm(seq, steps, strategy_kwargs):
-    """In a pool rank: ``CausalLM`` (AdamW, its own activation checkpointing) on the tiny Llama config."""
+    """In a pool rank: ``CausalLM`` (AdamW, its own activation checkpointing) on the tiny Llama config; the
+    steps run, the fit check's plan and the warnings it gave."""
     from lightning_longctx.recipes import CausalLM
 
     lightning_env()
     module = CausalLM(model_config=dict(TINY_LLAMA), activation_checkpointing=True)
     strategy = UlyssesFPDTStrategy(sequence_parallel_size=1, **strategy_kwargs)
     trainer = _trainer(strategy, steps)
-    trainer.fit(module, DataLoader(TokenDataset(steps, seq), batch_size=1))
-    return trainer.global_step, strategy.fit_plan.to_dict()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(TokenDataset(steps, seq), batch_size=1))
+    said = [f"{w.category.__name__}: {w.message}" for w in caught if "fit check" in str(w.message)]
+    return trainer.global_step, strategy.fit_plan.to_dict(), said
 
 
 def test_a_step_that_fits_trains_as_planned_by_lightning_longctx_plan(dist_pool, tmp_path):
-    steps, plan = dist_pool(1).run(_fit_causal_lm, SHORT, 2, FORCED)[0]
-    assert steps == 2 and plan["fits"]
+    """What the strategy plans is what ``lightning-longctx plan`` plans for the same config; given a capacity
+    with just under 5 % of it free, the run trains and the strategy warns (a ``UserWarning``)."""
     config = {
         "trainer": {"accelerator": "cpu", "devices": 1, "precision": "32-true",
                     "strategy": {"class_path": "lightning_longctx.UlyssesFPDTStrategy",
@@ -133,6 +147,27 @@ def test_a_step_that_fits_trains_as_planned_by_lightning_longctx_plan(dist_pool,
     with contextlib.redirect_stdout(out):
         assert main(["--config", str(path), "--json"]) == 0
     cli = json.loads(out.getvalue())
+    tight = math.ceil(cli["device_needed"] / 0.95) - 1  # 1 byte less than 5 % free
+    forced = {"fit_check": True, "fit_check_device_memory": tight}
+
+    def warned_on_a_tight_capacity(fit=_fit_causal_lm):
+        steps, plan, said = dist_pool(1).run(fit, SHORT, 2, forced)[0]
+        assert steps == 2 and plan["fits"] and plan["device_memory"] == tight
+        warned = len(said) == 1 and said[0].startswith("UserWarning: UlyssesFPDTStrategy fit check")
+        assert warned, f"the fit check's warnings: {said}"
+        assert "less than 5%: the plan is a model" in said[0], said
+        assert f"{format_bytes(tight)}: {format_bytes(tight - cli['device_needed'])} free" in said[0], said
+        return plan
+
+    plan = warned_on_a_tight_capacity()
+    quiet = Sabotage(
+        "the warning said as info", "lightning_longctx.lightning.first_step:rank_zero_warn", _as_info
+    )
+    assert_catches(
+        lambda: warned_on_a_tight_capacity(sabotaged(quiet, _fit_causal_lm)),
+        quiet,
+        match=r"the fit check's warnings: \[\]",
+    )
     assert plan["activation_checkpointing"] and plan["optimizer"] == "adamw"
     for key in (
         "device_total",
@@ -144,6 +179,43 @@ def test_a_step_that_fits_trains_as_planned_by_lightning_longctx_plan(dist_pool,
         "precision",
     ):
         assert plan[key] == cli[key], key
+
+
+def _check_the_warning_margin() -> None:
+    """No Trainer: a capacity given as ``fit_check_device_memory`` with just under 5 % of it free fits with a
+    warning that names the margin and the largest terms; exactly 5 % and 10 % free fit without one."""
+    parallel = SequenceParallelConfig(sequence_parallel_size=1).resolve(1, 1, "cpu")
+    model = tiny_model("llama")
+    batch = {"input_ids": torch.zeros(2, SHORT, dtype=torch.long)}
+    sgd = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    need = _expected(SHORT, sequence_parallel_size=1, micro_batch_size=2).device_needed
+    edge = math.ceil(need / 0.95)  # the least capacity with 5 % of it free
+    assert 0.0499 < 1 - need / (edge - 1) < 0.05
+    cases = {
+        "4.99 % free": (edge - 1, True),
+        "5 % free": (edge, False),
+        "10 % free": (math.ceil(need / 0.9), False),
+    }
+    for name, (size, warned) in cases.items():
+        capacity = fit_check_capacity(True, f"{size}B")
+        verdict = check_first_step(model, [model], sgd, parallel, batch, precision="32-true", capacity=capacity,
+                                   where="fit_check_device_memory", device_type="cpu")  # fmt: skip
+        assert verdict.fits and verdict.plan.device_needed == need, name
+        assert verdict.warn == warned, f"{name}: warned {verdict.warn}: {verdict.message}"
+        assert ("less than 5%" in verdict.message) == warned, (name, verdict.message)
+        assert ("largest terms: " in verdict.message) == warned, (name, verdict.message)
+
+
+def _no_margin(margin: float) -> float:
+    """Sabotage: the fit check's warning margin gone (a step that fits is never warned about)."""
+    return 0.0
+
+
+def test_under_5_percent_free_is_warned_about():
+    """The CHANGELOG's "under 5 % free is warned about"; the check fails when the margin is gone."""
+    _check_the_warning_margin()
+    sabotage = Sabotage("no warning margin", "lightning_longctx.lightning.fit_check:WARN_MARGIN", _no_margin)
+    assert_catches(_check_the_warning_margin, sabotage, match="4.99 % free: warned False")
 
 
 def test_auto_on_cpu_does_nothing(dist_pool):

@@ -14,9 +14,23 @@ COLLECTIVES = {
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
     "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
     "reduce_scatter_tensor", "gather", "gather_object", "scatter", "send", "recv", "isend", "irecv",
-    "batch_isend_irecv", "new_group",
+    "batch_isend_irecv", "new_group", "new_subgroups_by_enumeration",
 }  # fmt: skip
-#: (module, function) allowed to call one directly, and why (none: the step-time model's calibration, which
+#: the functional collectives (traceable, out of place; ``torch.distributed._functional_collectives``) and the
+#: autograd-aware ones of ``torch.distributed.nn``: they move data too
+FUNCTIONAL_COLLECTIVES = {
+    "all_reduce", "all_reduce_coalesced", "all_gather_tensor", "all_gather_tensor_autograd",
+    "all_gather_into_tensor_coalesced", "reduce_scatter_tensor", "reduce_scatter_tensor_autograd",
+    "reduce_scatter_tensor_coalesced", "all_to_all_single", "all_to_all_single_autograd", "broadcast",
+    "permute_tensor", "wait_tensor",
+}  # fmt: skip
+#: every qualified name of a collective, whatever module of torch.distributed exports it
+COLLECTIVE_NAMES = {
+    *(f"{m}.{c}" for m in ("torch.distributed", "torch.distributed.distributed_c10d") for c in COLLECTIVES),
+    *(f"torch.distributed._functional_collectives.{c}" for c in FUNCTIONAL_COLLECTIVES),
+    *(f"{m}.{c}" for m in ("torch.distributed.nn", "torch.distributed.nn.functional") for c in COLLECTIVES),
+}
+#: (module, collective) allowed to call one directly, and why (none: the step-time model's calibration, which
 #: measures gloo's all-to-all itself, is benchmarks/calibrate_step_time.py, outside the package)
 COLLECTIVE_EXCEPTIONS: set[tuple[str, str]] = set()
 
@@ -44,23 +58,118 @@ def test_no_test_module_imports_another():
     assert not offenders, f"move what these import into tests/helpers: {offenders}"
 
 
+def _bound_names(tree: ast.AST) -> dict[str, str]:
+    """What each name an import binds stands for, dotted (``import torch.distributed as d``: ``d`` ->
+    ``torch.distributed``; ``import torch.distributed``: ``torch`` -> ``torch``; ``from torch.distributed import
+    all_reduce as ar``: ``ar`` -> ``torch.distributed.all_reduce``). Imports inside functions count too, for
+    the whole module: a lint may over-approximate scopes, it must not miss a binding."""
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    names[alias.asname] = alias.name
+                else:
+                    top = alias.name.split(".")[0]
+                    names[top] = top
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return names
+
+
+def _dotted(node: ast.AST, names: dict[str, str]) -> str | None:
+    """``node`` (a name or an attribute chain on one) as the dotted name it resolves to through ``names``."""
+    if isinstance(node, ast.Name):
+        return names.get(node.id)
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value, names)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def _collective_uses(source: str) -> list[tuple[int, str]]:
+    """``(line, collective)`` of every import of a collective and every use of one (called, or taken as a
+    value: ``partial(dist.all_reduce, ...)``), whatever name or alias it is reached by."""
+    tree = ast.parse(source)
+    names = _bound_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [
+                (node.lineno, f"{node.module}.{a.name}")
+                for a in node.names
+                if f"{node.module}.{a.name}" in COLLECTIVE_NAMES
+            ]
+        elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load):
+            dotted = _dotted(node, names)
+            if dotted in COLLECTIVE_NAMES:
+                found.append((node.lineno, dotted))
+    return sorted(set(found))
+
+
+def test_the_collective_scan_sees_every_import_form():
+    """Each way of reaching a collective is seen (the rule once matched only ``dist.<name>(``); what is not a
+    collective, or is our own comm layer's, is not."""
+    caught = {
+        "import torch.distributed as dist\ndist.all_reduce(x)\n": [(2, "torch.distributed.all_reduce")],
+        "import torch.distributed as d\nd.barrier()\n": [(2, "torch.distributed.barrier")],
+        "import torch\ntorch.distributed.all_to_all_single(y, x)\n": [
+            (2, "torch.distributed.all_to_all_single")
+        ],
+        "import torch.distributed\ntorch.distributed.broadcast(x, 0)\n": [(2, "torch.distributed.broadcast")],
+        "from torch import distributed\ndistributed.gather(x)\n": [(2, "torch.distributed.gather")],
+        "from torch import distributed as td\ntd.send(x, 1)\n": [(2, "torch.distributed.send")],
+        "from torch.distributed import all_reduce\nall_reduce(x)\n": [
+            (1, "torch.distributed.all_reduce"),
+            (2, "torch.distributed.all_reduce"),
+        ],
+        "from torch.distributed import all_gather as ag\nag(xs, x)\n": [
+            (1, "torch.distributed.all_gather"),
+            (2, "torch.distributed.all_gather"),
+        ],
+        "def f(x):\n    import torch.distributed as dist\n    return dist.reduce_scatter_tensor(x, x)\n": [
+            (3, "torch.distributed.reduce_scatter_tensor")
+        ],
+        "import functools\nimport torch.distributed as dist\nop = functools.partial(dist.all_reduce, x)\n": [
+            (3, "torch.distributed.all_reduce")
+        ],
+        "from torch.distributed import distributed_c10d as c10d\nc10d.new_group([0])\n": [
+            (2, "torch.distributed.distributed_c10d.new_group")
+        ],
+        "import torch.distributed._functional_collectives as funcol\nfuncol.all_reduce(x, 'sum', g)\n": [
+            (2, "torch.distributed._functional_collectives.all_reduce")
+        ],
+        "from torch.distributed._functional_collectives import all_gather_tensor\n": [
+            (1, "torch.distributed._functional_collectives.all_gather_tensor")
+        ],
+        "import torch.distributed.nn.functional as dnn\ndnn.all_to_all(out, xs)\n": [
+            (2, "torch.distributed.nn.functional.all_to_all")
+        ],
+    }
+    for source, want in caught.items():
+        assert _collective_uses(source) == want, source
+    passed = (
+        "import torch.distributed as dist\nrank = dist.get_rank(); dist.destroy_process_group()\n"
+        "from lightning_longctx.parallel.comm import all_reduce_no_grad, barrier\nbarrier(); all_reduce_(x)\n"
+        "import torch\ntorch.all(x)\nall_reduce = 1\nreduce(f, xs)\n"
+    )
+    assert _collective_uses(passed) == []
+
+
 def test_collectives_are_called_in_the_communication_layer_only():
+    """Every collective of the package is called in parallel/comm.py (by any import form, see above)."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         module = path.relative_to(PACKAGE).as_posix()
         if module == "parallel/comm.py":
             continue
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr in COLLECTIVES
-                and isinstance(node.func.value, ast.Name)
-                and node.func.value.id == "dist"
-                and (module, node.func.attr) not in COLLECTIVE_EXCEPTIONS
-            ):
-                found.append(f"{module}:{node.lineno} dist.{node.func.attr}")
+        for line, name in _collective_uses(path.read_text()):
+            if (module, name.rsplit(".", 1)[1]) not in COLLECTIVE_EXCEPTIONS:
+                found.append(f"{module}:{line} {name}")
     assert not found, f"call these through lightning_longctx.parallel.comm: {found}"
+    # the scan sees the communication layer's own collectives (it would pass a tree it could not read)
+    assert len(_collective_uses((PACKAGE / "parallel" / "comm.py").read_text())) >= 10
 
 
 #: files under tests/ or benchmarks/ allowed to edit ``sys.path``, and why
@@ -238,3 +347,115 @@ def test_functions_do_one_job():
             if lines > MAX_FUNCTION_LINES and key not in LONG_FUNCTIONS:
                 found.append(f"{key[0]}::{key[1]} {lines} lines")
     assert not found, f"split these into functions that do one job each: {found}"
+
+
+# ---- a new exactness or refusal test ships with a sabotage (issue 43) ----
+
+#: the test modules written before the rule: not required to call ``assert_catches`` (the exact set of
+#: tests/test_*.py when the rule came in; a module leaves the list when it is removed, none ever joins it)
+GRANDFATHERED = frozenset({
+    "test_arch_sweep", "test_architecture_doc", "test_benchmarks_smoke", "test_callbacks",
+    "test_catalogue", "test_causal_lm_lora", "test_checkpoint_offload", "test_checkpoints", "test_cli",
+    "test_data", "test_docs", "test_documents", "test_export", "test_faults", "test_fit_check",
+    "test_fpdt", "test_fpdt_ring", "test_fused_kernels", "test_fuzz", "test_gpu", "test_hf_data",
+    "test_hf_symbols", "test_house_rules", "test_hybrid", "test_hybrid_packed", "test_hybrid_ring",
+    "test_lm_head", "test_lora", "test_mask_semantics", "test_memory_tiling", "test_models",
+    "test_moe_aux_loss", "test_needle", "test_parallelize", "test_patch_state", "test_plain_model",
+    "test_planner", "test_positional_loss", "test_preemption", "test_process_groups", "test_public_api",
+    "test_ring", "test_rope", "test_self_test", "test_sequence_layout", "test_sharding_loss",
+    "test_sinks_softcap", "test_slurm", "test_state_offload", "test_step_time", "test_strategy",
+    "test_tensor_parallel", "test_tiling", "test_token_mean", "test_ulysses",
+})  # fmt: skip
+#: calls that compare numbers within a tolerance or bit for bit (their last name, leading ``_`` dropped:
+#: ``torch.testing.assert_close``, our ``_assert_close`` helpers, ``torch.allclose``, ``pytest.approx``)
+_EXACT_CALLS = {"assert_close", "assert_allclose", "allclose", "isclose", "approx"}
+
+
+def _call_name(node: ast.Call) -> str | None:
+    func = node.func
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+    return None if name is None else name.lstrip("_")
+
+
+def _is_tolerance(node: ast.AST) -> bool:
+    """``1e-5``, ``0.05``, ``tol``, ``cls.TOLERANCE``, ``atol * 2``: what an error is held under."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, float):
+        return 0 < abs(node.value) < 1
+    if isinstance(node, ast.BinOp):
+        return _is_tolerance(node.left) or _is_tolerance(node.right)
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return "tol" in name.lower()
+
+
+def _checks_needing_sabotage(source: str) -> list[str]:
+    """The exactness and refusal checks of a test module (``line: what``), or ``[]`` when it has none or
+    calls ``assert_catches`` or ``assert_error_above`` (lightning_longctx.testing.sabotage: the check run
+    against a sabotaged version)."""
+    tree = ast.parse(source)
+    names = _bound_names(tree)  # ``from pytest import raises``, ``import torch as th``: seen as well
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = _call_name(node)
+            if name in ("assert_catches", "assert_error_above"):
+                return []
+            dotted = _dotted(node.func, names)
+            if name in _EXACT_CALLS or dotted == "torch.equal":
+                found.append(f"{node.lineno}: {name}")
+            elif dotted == "pytest.raises":
+                found.append(f"{node.lineno}: pytest.raises")
+        elif isinstance(node, ast.Assert):
+            for compare in ast.walk(node.test):
+                if isinstance(compare, ast.Compare) and any(
+                    isinstance(op, (ast.Lt, ast.LtE)) and _is_tolerance(right)
+                    for op, right in zip(compare.ops, compare.comparators)
+                ):
+                    found.append(f"{compare.lineno}: < tolerance")
+    return found
+
+
+def test_the_sabotage_scan_sees_exactness_and_refusal_checks():
+    head = "import pytest\nimport torch\nfrom lightning_longctx.testing import assert_catches\n\n\n"
+    checks = {
+        "def test_a():\n    torch.testing.assert_close(a, b)\n": ["7: assert_close"],
+        "def test_a():\n    assert _assert_close(got, want, 4, 1e-3) < 1\n": ["7: assert_close"],
+        "def test_a():\n    assert torch.allclose(a, b)\n": ["7: allclose"],
+        "def test_a():\n    assert torch.equal(a, b)\n": ["7: equal"],
+        "def test_a():\n    assert err < 1e-6, err\n": ["7: < tolerance"],
+        "def test_a():\n    assert all(e <= TOLERANCE for e in errs)\n": ["7: < tolerance"],
+        "def test_a():\n    assert 0 < err < 2 * tol\n": ["7: < tolerance"],
+        "def test_a():\n    with pytest.raises(ValueError, match='x'):\n        f()\n": ["7: pytest.raises"],
+        "from pytest import raises\ndef test_a():\n    with raises(ValueError):\n        f()\n": [
+            "8: pytest.raises"
+        ],
+        "import torch as th\ndef test_a():\n    assert th.equal(a, b)\n": ["8: equal"],
+    }
+    for body, want in checks.items():
+        assert _checks_needing_sabotage(head + body) == want, body  # a new module with it fails the rule
+        for helper in (
+            "assert_catches(check, sabotage)",
+            "assert_error_above(measure, sabotage, tolerance=1e-6)",
+        ):
+            sabotaged = head + body + f"\n\ndef test_a_catches():\n    {helper}\n"
+            assert _checks_needing_sabotage(sabotaged) == [], body  # and passes with its sabotage
+    plain = head + "def test_a():\n    assert f(3) == 4 and len(xs) < 10 and n <= limit\n"
+    assert _checks_needing_sabotage(plain) == []  # no exactness, no refusal: nothing to sabotage
+
+
+def test_a_new_exactness_or_refusal_test_ships_with_its_sabotage():
+    """A test module written after the rule (not in :data:`GRANDFATHERED`) that checks exactness
+    (``assert_close``, ``torch.equal``, ``err < 1e-5``) or a refusal (``pytest.raises``) also calls
+    ``lightning_longctx.testing.assert_catches`` (or ``assert_error_above``): the check shown, in the suite, to
+    fail on a broken version. Files that are not test modules (helpers, fuzz drivers) are exempt."""
+    modules = {p.stem: p for p in sorted(TESTS.glob("test_*.py"))}
+    gone = sorted(GRANDFATHERED - modules.keys())
+    assert not gone, f"remove these from GRANDFATHERED, they no longer exist: {gone}"
+    found = {
+        name: checks[:3]
+        for name, path in modules.items()
+        if name not in GRANDFATHERED and (checks := _checks_needing_sabotage(path.read_text()))
+    }
+    assert not found, (
+        f"these test modules check exactness or refusals but never show a check failing: {found}. Add a test "
+        "that runs the check against a sabotaged version with lightning_longctx.testing.assert_catches"
+    )

@@ -6,6 +6,7 @@ from the context). A mixer kind that cannot reset its state (no ``PACKED``) refu
 
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
@@ -16,6 +17,7 @@ from torch import nn
 from lightning_longctx.integrations import hybrid
 from lightning_longctx.integrations.hybrid.base import Documents, MixerCall, to_segments
 from lightning_longctx.parallel.sharding import document_ids, global_index
+from lightning_longctx.testing import Sabotage, assert_catches, sabotaged
 
 
 def _exact(rows: list[dict]) -> None:
@@ -120,8 +122,8 @@ def _scan_adapter(call: MixerCall, original, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_mixer_kind_without_packed_refuses_packed_rows_by_name(monkeypatch):
-    """Every kind of the package takes packed rows; one that does not set ``PACKED`` refuses them, naming the
-    mixer, both in the strategy's check before the forward and at the call; one document per row runs."""
+    """Every kind of the package takes packed rows; one that does not set ``PACKED`` refuses them at the call,
+    naming the mixer (the strategy's check before the forward: the test below); one document per row runs."""
     monkeypatch.setitem(hybrid.METHODS, "_ScanMixer", {"scan": _scan_adapter})
     mixer = _ScanMixer()
     context = _Context(torch.tensor([[0, 0, 1, 1]]))  # a packed row: two documents
@@ -134,13 +136,82 @@ def test_a_mixer_kind_without_packed_refuses_packed_rows_by_name(monkeypatch):
     try:
         assert not patched[0].call.packed
         with pytest.raises(ValueError, match=message):
-            raise hybrid.packed_documents_refusal(context)
-        with pytest.raises(ValueError, match=message):
             mixer(x)
         context.positions = None  # one document per row
         assert torch.equal(mixer(x), x.cumsum(1))
     finally:
         hybrid.unpatch_mixers(patched)
+
+
+def _fit_packed_row() -> dict:
+    """One Trainer step of a tiny Qwen3.5 (causal conv + gated DeltaNet, then attention) under
+    ``UlyssesFPDTStrategy`` at sp = 2 on a packed row (two documents of 8 tokens), with no mixer kind resetting
+    its state at a document start (this rank's :data:`hybrid.PACKED` emptied for the run): the error it raised
+    and where (the traceback's function names), or ``None``."""
+    import traceback
+
+    import lightning as L
+
+    from helpers.lightning import lightning_env
+    from lightning_longctx import UlyssesFPDTStrategy
+    from lightning_longctx.testing import HFModule, tiny_model
+
+    lightning_env()
+    ids = torch.randint(1, 60, (16,), generator=torch.Generator().manual_seed(0))
+    row = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(16) % 8}
+    module = HFModule(tiny_model("qwen3_5"), dataset=[row])
+    saved = set(hybrid.PACKED)
+    hybrid.PACKED.clear()
+    try:
+        trainer = L.Trainer(
+            strategy=UlyssesFPDTStrategy(sequence_parallel_size=2), accelerator="cpu", devices=2, max_steps=1,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(module)
+    except ValueError as err:
+        return {"error": str(err), "frames": [f.name for f in traceback.extract_tb(err.__traceback__)]}
+    finally:
+        hybrid.PACKED.update(saved)
+    return {"error": None, "losses": module.losses}
+
+
+def _refused_before_the_forward(results: list[dict]) -> None:
+    message = (
+        r"Qwen3_5ForCausalLM: the batch packs several documents \(position_ids restart at 0\), and its mixer "
+        r"Qwen3_5GatedDeltaNet cannot yet reset its .* train this model on one document per row"
+    )
+    for rank, got in enumerate(results):
+        assert got["error"] is not None and re.search(message, got["error"]), (rank, got)
+        where = got["frames"]
+        assert "_check_hybrid" in where and not {"training_step", "forward"} & set(where), (
+            f"rank {rank}: refused in {where[-4:]}, not by the strategy's batch check before the forward"
+        )
+
+
+def _no_batch_check(original):
+    """The sabotage: a strategy whose batch check lets packed rows through to the mixers."""
+
+    def check_hybrid(self, packed: bool, short: bool) -> None:
+        return None
+
+    return check_hybrid
+
+
+def test_the_strategy_refuses_packed_rows_before_the_forward(dist_pool):
+    """A model whose mixers cannot reset their state at a document start (no ``PACKED`` kind: emptied for the
+    run) meets a packed batch in a Trainer: the strategy's batch check (``ParallelPlan._check_hybrid``, from
+    ``batch_to_device``) refuses it on every rank, naming the mixer, before any forward runs. Without that check
+    the mixer's own refusal inside the forward is what stops the run, and the test fails."""
+    pool = dist_pool(2)
+    _refused_before_the_forward(pool.run(_fit_packed_row))
+    sabotage = Sabotage(
+        "no hybrid batch check", "lightning_longctx.parallel.plan:ParallelPlan._check_hybrid", _no_batch_check
+    )
+    assert_catches(
+        lambda: _refused_before_the_forward(pool.run(sabotaged(sabotage, _fit_packed_row))),
+        sabotage,
+        match=r"refused in \[.*'forward'.*\], not by the strategy's batch check",
+    )
 
 
 @pytest.mark.slow

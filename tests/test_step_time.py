@@ -18,25 +18,34 @@ SMALL = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 256, "interme
          "max_position_embeddings": 65536, "tie_word_embeddings": False}  # fmt: skip
 BF16_FSDP = {"precision": "bf16-mixed", "data_parallel": "fsdp"}
 
-#: published points the model misses, and why (docs/benchmarks.md): kept here so the table stays truthful
+#: published points the model misses, by how much, and why (docs/benchmarks.md): kept here so the table stays
+#: truthful; the miss itself is checked within the run's tolerance, so a drift either way shows
 KNOWN_MISSES = {
     # The FPDT report's Ulysses baseline at 512K: at 512K attention is 92 % of the step and runs at the same
     # kernel rate as the 4M point (which agrees to 0.5 points); what costs the baseline its 10 points is not
     # in the report.
-    "FPDT blog: Ulysses + checkpointing + CPU offload, 512K, 8 x A100",
+    "FPDT blog: Ulysses + checkpointing + CPU offload, 512K, 8 x A100": 9.7,
 }
 
 
 @pytest.mark.parametrize("run", PUBLISHED_RUNS, ids=lambda r: r.name)
 def test_published_runs(run):
+    """Each point within its own tolerance (its error when added plus 1.5 % / 1 point), not a blanket 25 %."""
     est = run.estimate()
-    if run.name in KNOWN_MISSES:
-        assert not run.within(est), (
-            f"{run.name} now agrees ({run.error(est):+.3g}): move it out of KNOWN_MISSES"
-        )
-        assert abs(run.error(est)) < 15.0
-        return
-    assert run.within(est), f"{run.name}: published {run.published}, predicted {run.predicted(est):.4g}"
+    assert run.tolerance <= (0.08 if run.metric == "step_s" else 1.5), "a tolerance that accepts a drift"
+    miss = KNOWN_MISSES.get(run.name, 0.0)
+    assert abs(run.error(est) - miss) <= run.tolerance, (
+        f"{run.name}: published {run.published}, predicted {run.predicted(est):.4g}, error {run.error(est):+.3g}"
+        f" (expected {miss:+.3g} {run.tolerance_text()})"
+    )
+    assert run.within(est) == (run.name not in KNOWN_MISSES)
+
+
+def test_fitted_choices_are_named():
+    """Where a reading was chosen because it agrees, the run says so (a fit, not a check)."""
+    fits = {run.name: run.fit for run in PUBLISHED_RUNS if run.fit}
+    assert {name.split(":")[0] for name in fits} == {"FPDT blog", "HF TRL"}
+    assert all("agrees" in text for text in fits.values())
 
 
 def test_flash_attention_kernel_points():
@@ -127,6 +136,78 @@ def test_tensor_parallel_and_links():
     assert two_nodes.exposed_communication_s > 3 * one_node.exposed_communication_s
 
 
+#: round link rates, so the expected seconds below read as bytes / rate
+ROUND_LINKS = dataclasses.replace(
+    device_spec("h100"), intra_node_bandwidth=100e9, inter_node_bandwidth=10e9, name="round links"
+)
+#: Llama-3-8B's parameters, counted from its shapes: one decoder layer (q, k, v, o; gate, up, down; 2 norms),
+#: and the root (untied embedding and lm_head, the final norm)
+LLAMA_LAYER = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+LLAMA_ROOT = 2 * 128256 * 4096 + 4096
+
+
+def _communication(**kw):
+    est = estimate_step_time(LLAMA, gpu=ROUND_LINKS, precision="bf16-mixed", **kw)
+    return {c.name: c.seconds for c in est.components if c.kind == "communication"}
+
+
+def _the_group_counted_again(link):
+    """The model before issue 43: the (n-1)/n a caller's bytes already carry counted again ("itself
+    included")."""
+
+    def shares(group: int, stride: int, gpus_per_node: int) -> tuple[float, float]:
+        intra, inter = link(group, stride, gpus_per_node)
+        return intra * (group - 1) / group, inter * (group - 1) / group
+
+    return shares
+
+
+def test_collectives_are_priced_by_the_bytes_a_rank_sends():
+    """Each collective from its messages, not from the model's formula (issue 43: the model counted (n-1)/n
+    twice, which this check catches). The link rates are NCCL bus bandwidths: bytes a rank sends per second."""
+    from lightning_longctx.testing import Sabotage, assert_catches
+
+    _collectives_from_their_messages()
+    twice = Sabotage("(n-1)/n twice", "lightning_longctx.planner.step_time:_link", _the_group_counted_again)
+    caught = assert_catches(_collectives_from_their_messages, twice)
+    assert "0.1207" in str(caught)  # the Ulysses all-to-all at 4 ranks: 3/4 of the right time
+
+
+def _collectives_from_their_messages():
+    layers, passes, e = 32, 2, 2  # forward and backward; bf16 activations
+    # Ulysses all-to-all over 4 ranks of a node, 16,384 tokens each: per layer and pass the rank's q, k, v and
+    # out (or their gradients: 32 + 8 + 8 + 32 heads of 128) are cut in 4 pieces; 3 of them go to the 3 peers.
+    buffer = 16384 * 128 * e * (32 + 8 + 8 + 32)
+    one_node = _communication(seq_len=65536, sequence_parallel_size=4, data_parallel="fsdp")
+    assert one_node["sequence all-to-all"] == pytest.approx(layers * passes * 3 * (buffer / 4) / 100e9)
+    # over 16 ranks on two nodes of 8: 7 pieces to NVLink peers, 8 to InfiniBand ones, both links at once;
+    # 8 kv heads for 16 ranks travel as 16 (each copied twice, so every rank gets one)
+    buffer16 = 4096 * 128 * e * (32 + 16 + 16 + 32)
+    two_nodes = _communication(
+        seq_len=65536, sequence_parallel_size=16, gpus_per_node=8, data_parallel="fsdp"
+    )
+    assert two_nodes["sequence all-to-all"] == pytest.approx(
+        layers * passes * max(7 * buffer16 / 16 / 100e9, 8 * buffer16 / 16 / 10e9)
+    )
+    # TP 2: a ring all-reduce of one rank's hidden states (8,192 tokens x 4,096) is a reduce-scatter and an
+    # all-gather, each tp - 1 = 1 message of half the buffer: the whole buffer sent; 2 per layer and pass
+    hidden = 8192 * 4096 * e
+    tp = _communication(seq_len=8192, sequence_parallel_size=1, tensor_parallel_size=2, data_parallel="fsdp")
+    assert tp["tensor-parallel all-reduce"] == pytest.approx(2 * layers * passes * hidden / 100e9)
+    # DDP over 2 ranks: the fp32 gradients all-reduced, again the whole buffer sent
+    params = layers * LLAMA_LAYER + LLAMA_ROOT
+    ddp = _communication(seq_len=8192, sequence_parallel_size=1, data_parallel_size=2, data_parallel="ddp")
+    assert ddp["DDP all-reduce"] == pytest.approx(params * 4 / 100e9)
+    # FSDP over 4 ranks: each layer's bf16 parameters gathered twice (forward, backward) and its fp32
+    # gradients reduce-scattered, 3 of 4 shards sent each time; the root's parameters gathered once
+    fsdp = _communication(seq_len=8192, sequence_parallel_size=1, data_parallel_size=4, data_parallel="fsdp")
+    shard = LLAMA_LAYER / 4
+    per_layer = 2 * 3 * shard * 2 + 3 * shard * 4
+    assert fsdp["FSDP all-gather / reduce-scatter"] == pytest.approx(
+        (layers * per_layer + 3 * LLAMA_ROOT / 4 * 2) / 100e9
+    )
+
+
 def test_every_device_kind_and_wall_time():
     for name in DEVICES:
         est = estimate_step_time(SMALL, seq_len=8192, sequence_parallel_size=2, gpu=name, max_steps=100)
@@ -201,27 +282,6 @@ def test_cli_plan_with_a_measured_cpu(tmp_path, capsys):
     assert not (tmp_path / "absent.json").exists()
 
 
-@pytest.mark.slow
-def test_the_calibration_benchmark_writes_a_spec_the_planner_reads(tmp_path):
-    """benchmarks/calibrate_step_time.py measures this machine (its own ranks: the planner launches none) and
-    writes a DeviceSpec that load_spec reads and the step-time model prices with."""
-    import subprocess
-    import sys
-
-    path = tmp_path / "cpu.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/calibrate_step_time.py", "--out", str(path), "--seconds", "0.05"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    spec = load_spec(path)
-    assert spec.cores >= 1 and not spec.overlap and spec.intra_node_bandwidth > 0
-    est = estimate_step_time(SMALL, seq_len=2048, sequence_parallel_size=2, gpu=spec)
-    assert est.step_time_s > 0 and est.binding in ("compute", "communication", "host transfers", "optimizer")
-
-
 def test_bench_published_table():
     import subprocess
     import sys
@@ -282,9 +342,7 @@ def test_ring_communication_is_the_formula_and_hides_when_n_over_r_is_long():
     est = estimate_step_time(LLAMA, **base, ring_size=2)  # U = 4 on a node's NVLink, the ring across 2 nodes
     dev, parts = device_spec("h200"), {c.name: c for c in est.components}
     a2a = n // 8 * d * e * (2 * 32 + 2 * 8) * 3 / 4  # bytes one rank sends per layer and pass, over U = 4
-    assert parts["sequence all-to-all"].seconds == pytest.approx(
-        2 * layers * a2a * 3 / 4 / dev.intra_node_bandwidth
-    )
+    assert parts["sequence all-to-all"].seconds == pytest.approx(2 * layers * a2a / dev.intra_node_bandwidth)
     block = 2 * (n // 2) * (8 // 4) * d * e  # 2 (N/r) (h_kv^U / U) d e: 512 MiB
     fwd, bwd = ring_pass_bytes(
         plan_per_rank(LLAMA, ring_size=2, **{k: v for k, v in base.items() if "gpu" not in k})

@@ -457,7 +457,17 @@ class UlyssesFPDTStrategy(FirstStepChecks, CheckpointHooks, ParallelStrategy):
             self.model = module
         if module is not None and self._fitting and self._layer_sync:
             self.model = self._layer_sync.revert(self.model)
-        super().teardown()
+        if self.sp_config.data_parallel == "fsdp":
+            # as Lightning's own FSDP strategies: the shards stay where they are. Moving them (Strategy.teardown's
+            # ``module.cpu()``) fails on a model whose forward stopped with its parameters gathered (a refusal
+            # raised inside the first step), which would hide the refusal behind an FSDP AttributeError.
+            assert self.cluster_environment is not None and self.accelerator is not None
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+        else:
+            super().teardown()
         # the mesh's groups end here (a gloo group keeps threads), but not those an FSDP2 / TP model's shards
         # live on: it uses them after the fit (full_state_dict, save_checkpoint, its next fit)
         if self._plan is not None:

@@ -527,6 +527,12 @@ def new_gloo_group() -> Any:
     return dist.new_group(backend="gloo")
 
 
+def new_subgroup(cells: list[list[int]]) -> Any:
+    """This rank's group of ``cells`` (disjoint lists of global ranks covering the world): every rank creates
+    every group, in the same order (a collective), and keeps the one it is in."""
+    return dist.new_subgroups_by_enumeration(cells)[0]
+
+
 def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
     _, world = group_rank_size(group)
     if world == 1:

@@ -282,23 +282,27 @@ def _enumerated_mesh(dims: ParallelDims, device_type: str) -> WorldMesh:
     """The fallback without ``DeviceMesh._flatten``: a 2-D root ``(dp_sp, tensor_parallel)`` with the same rank
     order, the dp, sp (and with ``ring > 1`` the ring and Ulysses) groups enumerated from its ranks: the FSDP2
     and TP meshes still share one root, and every group is the one the full mesh would give."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_longctx.parallel.comm import new_subgroup  # every rank creates every group, in order
 
     root = init_device_mesh(device_type, (dims.replicas, dims.tp), mesh_dim_names=(REPLICA_AXIS, TP_AXIS))
     dp, r, u, tp = dims.dp, dims.ring, dims.ulysses, dims.tp
     ranks = root.mesh.reshape(dp, r, u, tp)  # global ranks at (dp, j, u, tp) coordinates; sp rank = j * U + u
 
-    def groups(cells: list[list[int]]) -> Any:  # every rank creates every group, in the same order
-        return dist.new_subgroups_by_enumeration(cells)[0]
-
-    sp_group = groups([ranks[d, :, :, t].flatten().tolist() for d in range(dp) for t in range(tp)])
-    dp_group = groups([ranks[:, j, i, t].tolist() for j in range(r) for i in range(u) for t in range(tp)])
+    sp_group = new_subgroup([ranks[d, :, :, t].flatten().tolist() for d in range(dp) for t in range(tp)])
+    dp_group = new_subgroup(
+        [ranks[:, j, i, t].tolist() for j in range(r) for i in range(u) for t in range(tp)]
+    )
     rings = None
     if r > 1:
         rings = (
-            groups([ranks[d, :, i, t].tolist() for d in range(dp) for i in range(u) for t in range(tp)]),
-            groups([ranks[d, j, :, t].tolist() for d in range(dp) for j in range(r) for t in range(tp)]),
+            new_subgroup(
+                [ranks[d, :, i, t].tolist() for d in range(dp) for i in range(u) for t in range(tp)]
+            ),
+            new_subgroup(
+                [ranks[d, j, :, t].tolist() for d in range(dp) for j in range(r) for t in range(tp)]
+            ),
         )
     return WorldMesh(
         dims=dims,

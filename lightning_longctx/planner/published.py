@@ -55,7 +55,12 @@ _ALST_TILING = {"mode": "fpdt", "fpdt_chunk_size": 1 << 24, "mlp_chunk_size": 65
 @dataclass(frozen=True)
 class PublishedRun:
     """One published measurement: ``metric`` is ``"step_s"`` (seconds per step) or ``"mfu_hw"`` (MFU in percent
-    with recompute counted and causal attention halved, our ``hfu``)."""
+    with recompute counted and causal attention halved, our ``hfu``).
+
+    ``tolerance`` is the run's own: the model's error on it when the point was added (a fraction of the step
+    time, or MFU points) plus a margin of 1.5 % / 1 point, so a drift of a few percent fails the check.
+    ``fit`` names a choice made because it makes the point agree (such a point checks the rest of the model,
+    not that choice)."""
 
     name: str
     source: str
@@ -63,7 +68,9 @@ class PublishedRun:
     published: float
     model: Mapping[str, Any]
     settings: Mapping[str, Any]
+    tolerance: float
     assumption: str = ""
+    fit: str = ""
 
     def estimate(self) -> StepTimeEstimate:
         return estimate_step_time(dict(self.model), **dict(self.settings))
@@ -78,8 +85,19 @@ class PublishedRun:
         return value / self.published - 1.0 if self.metric == "step_s" else value - self.published
 
     def within(self, est: StepTimeEstimate | None = None) -> bool:
-        """The issue's tolerance: 25 % of a step time, 5 MFU points."""
-        return abs(self.error(est)) <= (0.25 if self.metric == "step_s" else 5.0)
+        """Whether the model's error on this run is within the run's ``tolerance``."""
+        return abs(self.error(est)) <= self.tolerance
+
+    def tolerance_text(self) -> str:
+        return f"±{100 * self.tolerance:.3g} %" if self.metric == "step_s" else f"±{self.tolerance:.3g} pts"
+
+
+#: the reading of the FPDT report's MFU, chosen because its 4M point then agrees
+_FPDT_MFU_READING = (
+    "their MFU read as hardware FLOPs (recompute counted, causal attention halved): PaLM's model-FLOPs MFU would "
+    "be 41.3 % and Megatron's unhalved count above 100 %; this reading was chosen because the 4M point agrees "
+    "under it"
+)
 
 
 PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
@@ -89,7 +107,8 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         "step_s", 564.0, LLAMA3_8B,
         MappingProxyType({"seq_len": 1_100_000, "sequence_parallel_size": 8, "gpu": "h100", "cpu_offload": True,
                           **_ZERO3_CKPT}),
-        "optimizer offload as FSDP2's CPUOffloadPolicy (parameters on the host too: a few PCIe seconds, hidden)",
+        0.05, "optimizer offload as FSDP2's CPUOffloadPolicy (parameters on the host too: a few PCIe seconds, "
+        "hidden)",  # measured -3.5 %
     ),
     PublishedRun(
         "ALST: all features, 3.7M tokens, 8 x H100",
@@ -97,7 +116,8 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         "step_s", 6455.0, LLAMA3_8B,
         MappingProxyType({"seq_len": 3_700_000, "sequence_parallel_size": 8, "gpu": "h100", "cpu_offload": True,
                           "activation_offload": True, **_ALST_TILING, **_ZERO3_CKPT}),
-        "ALST's tiling as our FPDT mode with one chunk per rank (Ulysses attention, tiled MLP, chunked loss)",
+        0.08, "ALST's tiling as our FPDT mode with one chunk per rank (Ulysses attention, tiled MLP, chunked "
+        "loss)",  # measured -6.4 %
     ),
     PublishedRun(
         "FPDT blog: Ulysses + checkpointing + CPU offload, 512K, 8 x A100",
@@ -105,8 +125,8 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         "mfu_hw", 47.2, LLAMA3_8B,
         MappingProxyType({"seq_len": 524_288, "sequence_parallel_size": 8, "gpu": "a100-80gb",
                           "activation_offload": True, **_ZERO3_CKPT}),
-        "their MFU read as hardware FLOPs (recompute counted, causal halved): the reading under which the 4M "
-        "point agrees; the baseline's other costs are not stated",
+        1.0, "the baseline's other costs are not stated",  # a known miss: +9.7 points (tests/test_step_time.py)
+        fit=_FPDT_MFU_READING,
     ),
     PublishedRun(
         "FPDT blog: FPDT, 4M tokens, 8 x A100",
@@ -114,7 +134,8 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         "mfu_hw", 55.7, LLAMA3_8B,
         MappingProxyType({"seq_len": 4 * 1_048_576, "sequence_parallel_size": 8, "gpu": "a100-80gb", "mode": "fpdt",
                           "fpdt_chunk_size": 8192, "offload": True, **_ZERO3_CKPT}),
-        "their 64K chunk is a segment of the global sequence: 8K tokens per rank in our FPDT layout",
+        1.5, "their 64K chunk is a segment of the global sequence: 8K tokens per rank in our FPDT layout",
+        fit=_FPDT_MFU_READING,  # measured -0.5 points
     ),
     PublishedRun(
         "HF TRL: ring CP on FSDP2, 1M tokens, 8 x H100",
@@ -122,8 +143,9 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         "step_s", 364.0, QWEN3_8B,
         MappingProxyType({"seq_len": 1_048_576, "sequence_parallel_size": 8, "gpu": "h100",
                           "attention_kernel": "cudnn", **_ZERO3_CKPT}),
-        "PyTorch's context parallelism runs SDPA, taken as its cuDNN backend on H100 (with FA2 the model says "
-        "555 s, +52 %); ring attention priced as Ulysses (same FLOPs, its P2P hidden behind the blocks)",
+        0.035, "ring attention priced as Ulysses (same FLOPs, its P2P hidden behind the blocks)",  # measured +1.8 %
+        fit="PyTorch's context parallelism runs SDPA, whose kernel the benchmark does not name: taken as cuDNN on "
+        "H100, which agrees (with FA2's rates the model says 555 s, +52 %)",
     ),
 )  # fmt: skip
 

@@ -207,19 +207,24 @@ class _Walk:
         self.components.append(TimeComponent(name, kind, float(seconds), float(exposed), note))
 
 
-def _link(dev: DeviceSpec, group: int, stride: int, gpus_per_node: int) -> tuple[float, float]:
-    """(intra-node fraction, inter-node fraction) of the data a rank of a ``group``-rank collective exchanges,
-    its peers ``stride`` ranks apart."""
-    local = max(1, min(group, gpus_per_node // max(stride, 1)))
+def _link(group: int, stride: int, gpus_per_node: int) -> tuple[float, float]:
+    """(intra-node share, inter-node share) of the bytes a rank of a ``group``-rank collective sends, its peers
+    ``stride`` ranks apart: the ``group - 1`` peers split by where they sit (``local - 1`` on the rank's node)."""
     if group <= 1:
         return 0.0, 0.0
-    return (local - 1) / group, (group - local) / group
+    local = max(1, min(group, gpus_per_node // max(stride, 1)))
+    return (local - 1) / (group - 1), (group - local) / (group - 1)
 
 
-def _transfer_s(dev: DeviceSpec, nbytes: float, group: int, stride: int, gpus_per_node: int) -> float:
-    """Seconds for one rank to send ``nbytes`` spread evenly over its group (itself included)."""
-    intra, inter = _link(dev, group, stride, gpus_per_node)
-    return max(nbytes * intra / dev.intra_node_bandwidth, nbytes * inter / dev.inter_node_bandwidth)
+def _transfer_s(dev: DeviceSpec, sent: float, group: int, stride: int, gpus_per_node: int) -> float:
+    """Seconds for a collective in which one rank sends ``sent`` bytes to its peers.
+
+    One convention for every collective, NCCL's bus bandwidth (nccl-tests' ``busbw``): the device's link rates
+    are bytes a rank sends per second, and each caller passes the bytes a rank sends: ``(n-1)/n`` of the
+    buffer for an all-to-all, all-gather or reduce-scatter of ``n`` ranks, ``2(n-1)/n`` for an all-reduce.
+    The share that goes to peers on other nodes rides the inter-node link, concurrently with the rest."""
+    intra, inter = _link(group, stride, gpus_per_node)
+    return max(sent * intra / dev.intra_node_bandwidth, sent * inter / dev.inter_node_bandwidth)
 
 
 def estimate_step_time(

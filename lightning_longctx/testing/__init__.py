@@ -11,6 +11,10 @@ record results. The package's tests and its benchmark scripts use them; so may y
 * :mod:`~lightning_longctx.testing.results`: :func:`environment` (versions, machine, command line),
   :func:`write_json`, :func:`format_table`, :func:`meminfo_bytes`, :func:`linear_fit` (and the units
   ``results.MIB``, ``results.GIB``).
+* :mod:`~lightning_longctx.testing.sabotage`: negative checks, a check shown to fail on a broken version.
+  :class:`Sabotage` (a deliberate bug: one attribute replaced while entered, picklable to a pool's ranks),
+  :func:`sabotaged` (a function run under it), :func:`assert_catches` / :func:`assert_error_above` (the
+  check must fail under it).
 
 For tests and benchmarks only: no module of the package imports this one (``tests/test_house_rules.py``).
 """
@@ -43,14 +47,18 @@ from lightning_longctx.testing.results import (
     meminfo_bytes,
     write_json,
 )
+from lightning_longctx.testing.sabotage import Sabotage, assert_catches, assert_error_above, sabotaged
 
 __all__ = [
     "DistPool",
     "HFModule",
     "Launch",
     "RanksFailed",
+    "Sabotage",
     "TokenDataset",
     "WarmPools",
+    "assert_catches",
+    "assert_error_above",
     "checkpointing_state",
     "environment",
     "format_table",
@@ -62,6 +70,7 @@ __all__ = [
     "rank_environment",
     "reference_training",
     "run_spawned",
+    "sabotaged",
     "tiny_config",
     "tiny_model",
     "write_json",

@@ -19,9 +19,12 @@ How it runs, sharded like training: each batch of the grid goes through the stra
 the layout of every validation batch, FPDT's strided chunks included), and the Hugging Face model is called
 with a boolean ``logits_to_keep`` of the answer's targets: the answer's logits exist only on the ranks that
 hold the last tokens, and only for those positions (under FPDT too: no rank builds ``(tokens, vocab)``
-logits). Each rank adds its answer tokens' hits and losses per sample; one all-reduce over all ranks per
-validation run makes them global. The grid's batches are split over the data-parallel ranks (each sequence-
-parallel group runs its share; every rank runs the same number of forwards).
+logits). A hook on the model's output embedding (``lm_head``) counts the rows it projects during each scoring
+forward and refuses more than the rank's answer positions: a full-logits pass (a forward that ignores
+``logits_to_keep``, or an extra one) is an error, not a silent cost. Each rank adds its answer tokens' hits
+and losses per sample; one all-reduce over all ranks per validation run makes them global. The grid's batches
+are split over the data-parallel ranks (each sequence-parallel group runs its share; every rank runs the same
+number of forwards).
 """
 
 from __future__ import annotations
@@ -435,10 +438,10 @@ class NeedleRetrieval(L.Callback):
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _ProjectedRows(model) as projected:
                 for i in range(rounds):
                     batch = mine[i] if i < len(mine) else batches[0]
-                    rows, stats = self._score(trainer, model, batch)
+                    rows, stats = self._score(trainer, model, batch, projected)
                     if i < len(mine):
                         table.index_add_(0, rows + batch.cell * n + batch.first, stats)
         finally:
@@ -446,9 +449,12 @@ class NeedleRetrieval(L.Callback):
         table = all_reduce_no_grad(table) if trainer.world_size > 1 else table
         self._report(trainer, pl_module, table.view(len(self.cells), n, 3).cpu())
 
-    def _score(self, trainer: L.Trainer, model: nn.Module, batch: _Batch) -> tuple[Tensor, Tensor]:
+    def _score(
+        self, trainer: L.Trainer, model: nn.Module, batch: _Batch, projected: _ProjectedRows
+    ) -> tuple[Tensor, Tensor]:
         """One forward: ``(rows (k,), stats (k, 3))`` for this rank's ``k`` answer targets: the row of their
-        sample in the batch, and (hit, 1, cross entropy) each."""
+        sample in the batch, and (hit, 1, cross entropy) each; ``projected`` refuses any other row the
+        ``lm_head`` projected since the previous forward."""
         length, depth = self.cells[batch.cell]
         prompts = [self._prompt.sample(length, depth, batch.first + j) for j in range(batch.count)]
         ignore = _ignore_index(trainer.strategy)
@@ -466,6 +472,7 @@ class NeedleRetrieval(L.Callback):
         with precision.val_step_context() if precision is not None else nullcontext():
             logits = model(**inputs, logits_to_keep=keep, use_cache=False).logits
         wanted = int(keep.sum())
+        projected.check(wanted, type(model).__name__)
         if logits.dim() != 2 or logits.shape[0] != wanted:
             raise ValueError(
                 f"{type(model).__name__} returned logits of shape {tuple(logits.shape)} for a boolean "
@@ -548,6 +555,48 @@ class NeedleRetrieval(L.Callback):
         ax.set_title(f"Needle retrieval, step {run['step']}: mean {mean:.2f}")
         fig.colorbar(image, ax=ax, label=f"retrieved (exact match, {self.samples} prompts per cell)")
         fig.savefig(path, dpi=100)
+
+
+class _ProjectedRows:
+    """While scoring: the rows (positions) the model's output embedding projects onto the vocabulary, counted by
+    a forward pre-hook on ``get_output_embeddings()`` (every full-logits pass goes through it, whoever calls
+    the model). :meth:`check` after each forward refuses more rows than the rank's answer positions."""
+
+    def __init__(self, model: nn.Module) -> None:
+        get = getattr(model, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        self.head = head if isinstance(head, nn.Module) else None
+        self.rows = 0
+        self._handle: Any = None
+
+    def __enter__(self) -> _ProjectedRows:
+        if self.head is not None:
+            self._handle = self.head.register_forward_pre_hook(self._count, with_kwargs=True)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if kind is None:  # nothing may be projected after the last forward's check either
+            self.check(0, "the model", after="after the last scoring forward")
+
+    def _count(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs.get("input")
+        if isinstance(hidden, Tensor):
+            local = hidden.to_local() if callable(getattr(hidden, "to_local", None)) else hidden  # a DTensor
+            self.rows += local.shape[:-1].numel()  # (positions, hidden) or (b, s, hidden)
+
+    def check(self, wanted: int, name: str, after: str = "in one scoring forward") -> None:
+        rows, self.rows = self.rows, 0
+        if rows > wanted:
+            raise RuntimeError(
+                f"NeedleRetrieval: {name}'s output embedding projected {rows} positions onto the vocabulary "
+                f"{after}, but this rank holds {wanted} answer positions (the boolean logits_to_keep): a "
+                "full-logits pass ran while scoring, the (tokens, vocab) logits the needle exists to avoid. A "
+                "forward that ignores logits_to_keep (a patched or wrapped forward) or a second forward does this; "
+                "pass logits_to_keep through to transformers' slice_logits_to_keep and call the model once"
+            )
 
 
 def _tokens(n: int) -> str:
