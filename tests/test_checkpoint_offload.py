@@ -96,7 +96,7 @@ def _sp_offload_is_bit_identical(mode: str) -> dict:
     return {"same": same, "alive": offloaded["alive"], "fetched": offloaded["fetched_at_once"]}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # world 4: ~14 s
 @pytest.mark.parametrize("mode", ["ulysses", "fpdt"])
 def test_offload_is_bit_identical_under_sequence_parallelism(dist_pool, world, mode):
     for result in dist_pool(world).run(_sp_offload_is_bit_identical, mode):

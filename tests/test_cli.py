@@ -201,6 +201,7 @@ print("PERIODIC", periodic._every_n_train_steps, periodic.keep_latest_k, periodi
 """
 
 
+@pytest.mark.slow  # the CLI in a fresh process
 def test_yaml_class_path_strategy_needs_no_import(tmp_path):
     """Plain LightningCLI (no `import lightning_longctx` anywhere) resolves the strategy's class_path."""
     config = tmp_path / "c.yaml"

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_longctx.data import ByteTokenizer, TextFilesDataModule, pack_documents
+from lightning_longctx.data.packing import PackedDataset
 from lightning_longctx.recipes import RecallAccuracy, RecallDataModule, RecallDataset, recall_accuracy
 
 # ------------------------------------------------------------------------------- recall task
@@ -199,10 +200,36 @@ def test_pack_documents_rules():
     docs = [[10, 11, 12], [20, 21], [30, 31, 32, 33, 34]]  # 10 tokens
     out = pack_documents(docs, seq_len=4, pad_id=0)
     assert out["input_ids"].tolist() == [[10, 11, 12, 20], [21, 30, 31, 32], [33, 34, 0, 0]]
-    assert out["position_ids"].tolist() == [[0, 1, 2, 0], [1, 0, 1, 2], [3, 4, 5, 6]]
-    assert out["labels"].tolist() == [[-100, 11, 12, -100], [21, -100, 31, 32], [33, 34, -100, -100]]
+    # a document split at a row edge starts the next row over: [21] and [33, 34] are documents of their own
+    assert out["position_ids"].tolist() == [[0, 1, 2, 0], [0, 0, 1, 2], [0, 1, 2, 3]]
+    assert out["labels"].tolist() == [[-100, 11, 12, -100], [-100, -100, 31, 32], [-100, 34, -100, -100]]
+    # the explicit other behaviour: positions carried on into the next row
+    carried = pack_documents(docs, seq_len=4, pad_id=0, continue_documents=True)
+    assert carried["input_ids"].tolist() == out["input_ids"].tolist()
+    assert carried["position_ids"].tolist() == [[0, 1, 2, 0], [1, 0, 1, 2], [3, 4, 5, 6]]
+    assert carried["labels"].tolist() == [[-100, 11, 12, -100], [21, -100, 31, 32], [33, 34, -100, -100]]
     with pytest.raises(ValueError, match="no tokens"):
         pack_documents([], seq_len=4, pad_id=0)
+
+
+def test_no_position_reaches_the_row_length():
+    """Documents of 0.5x to 5x the row: every position below seq_len, and each row holds whole documents or
+    pieces of one, each counted from 0 (a row's tokens are the documents' tokens, in order)."""
+    g = torch.Generator().manual_seed(0)
+    seq_len = 16
+    docs = [torch.randint(1, 50, (n,), generator=g).tolist() for n in (8, 80, 24, 40, 13, 71, 9)]
+    out = pack_documents(docs, seq_len=seq_len, pad_id=0)
+    flat = [t for d in docs for t in d]
+    assert out["input_ids"].flatten()[: len(flat)].tolist() == flat
+    assert int(out["position_ids"].max()) < seq_len
+    carried = pack_documents(docs, seq_len=seq_len, pad_id=0, continue_documents=True)
+    assert int(carried["position_ids"].max()) == 79  # the 80-token document, carried over 5 rows
+    assert PackedDataset(out).max_positions() == seq_len and PackedDataset(carried).max_positions() == 80
+    for row, ref in zip(out["position_ids"], carried["position_ids"]):
+        first = int(ref[0])  # where the row's first piece stood in its document
+        pieces = ref.clone()
+        pieces[: int(ref.eq(0).int().argmax()) if ref[1:].eq(0).any() else len(ref)] -= first
+        assert row.tolist() == pieces.tolist()
 
 
 def _write_corpus(tmp_path):
@@ -231,13 +258,15 @@ def test_text_files_packing(tmp_path):
     assert len(ds) == -(-n // 8)
     assert ids[:n].tolist() == expected
     assert ids[n:].eq(tok.pad_token_id).all() and labels[n:].eq(-100).all()
-    # positions reset exactly at BOS (document starts); pads continue the last document
+    # positions reset at BOS (document starts) and at each row a document continues into (rows 16 and 24: the
+    # documents starting at 11 and 19 are split there); pads continue the last document
     starts = ids[:n].eq(tok.bos_token_id).nonzero().flatten()
-    assert pos.eq(0).nonzero().flatten().tolist() == starts.tolist() == [0, 11, 19]
+    assert starts.tolist() == [0, 11, 19]
+    assert pos.eq(0).nonzero().flatten().tolist() == [0, 8, 11, 16, 19, 24]
     assert pos[n:].tolist() == list(range(int(pos[n - 1]) + 1, int(pos[n - 1]) + 1 + len(ids) - n))
-    assert labels[starts].eq(-100).all()
+    assert labels[pos.eq(0)].eq(-100).all()
     keep = torch.ones(len(ids), dtype=torch.bool)
-    keep[starts] = False
+    keep[pos.eq(0)] = False
     keep[n:] = False
     assert torch.equal(labels[keep], ids[keep])
     assert [

@@ -99,11 +99,11 @@ def _assert_rows_equal(ds, expected: dict[str, torch.Tensor]) -> None:
         assert got[k].dtype == torch.long and torch.equal(got[k], want), k
 
 
-def _expected(texts, tokenizer: str, seq_len: int = SEQ) -> dict[str, torch.Tensor]:
+def _expected(texts, tokenizer: str, seq_len: int = SEQ, **kw) -> dict[str, torch.Tensor]:
     """pack_documents of the texts tokenized as TextFilesDataModule tokenizes them (the spec)."""
     reference = TextFilesDataModule(["unused"], seq_len=seq_len, tokenizer=tokenizer)
     docs = [reference._tokenize(t) for t in texts if t]
-    return pack_documents(docs, seq_len=seq_len, pad_id=reference.tokenizer.pad_token_id)
+    return pack_documents(docs, seq_len=seq_len, pad_id=reference.tokenizer.pad_token_id, **kw)
 
 
 def _source(kind: str, tmp_path, texts) -> tuple[str, dict]:
@@ -146,6 +146,15 @@ def test_documents_packing_equals_pack_documents(kind, tmp_path, toks):
     assert set(batch) == {"input_ids", "labels", "position_ids"}
     assert all(v.shape == (2, SEQ) and v.dtype == torch.long for v in batch.values())
     assert dm.val_dataloader() == []
+    assert int(expected["position_ids"].max()) < SEQ  # documents split at the row edge (test_data.py)
+    assert dm.max_positions() == int(expected["position_ids"].max()) + 1  # from the lengths, no row read
+    carried = HFDatasetDataModule(
+        dataset, toks["plain"], SEQ, cache_dir=str(tmp_path / "cache"), continue_documents=True, **kw
+    )
+    carried.setup("fit")
+    want = _expected(texts, toks["plain"], continue_documents=True)
+    _assert_rows_equal(carried.train_dataset, want)
+    assert carried.max_positions() == int(want["position_ids"].max()) + 1 > SEQ  # _texts' 3-row document
     if kind == "disk_dict":
         val = HFDatasetDataModule(dataset, toks["plain"], SEQ, val_split="validation")
         val.setup("fit")
@@ -178,6 +187,7 @@ def test_packing_none_and_min_doc_tokens(tmp_path, toks):
     # one document per row: pack_documents of that document alone, cut to seq_len
     rows = [pack_documents([d[:SEQ]], seq_len=SEQ, pad_id=0) for d in docs]
     _assert_rows_equal(dm.train_dataset, {k: torch.cat([r[k] for r in rows]) for k in rows[0]})
+    assert dm.train_dataset.max_positions() == SEQ  # every row padded or cut to the row, positions on
 
     long_docs = [d for d in docs if len(d) >= 8]
     assert 1 < len(long_docs) < len(docs)
@@ -394,9 +404,12 @@ def test_bad_input_is_refused_clearly(case, tmp_path, toks):
 LR = 0.5  # HFModule's SGD
 
 
-def _fit_from_datamodule(root: str, sp: int, steps: int) -> tuple[dict, list[float], int]:
-    """On every pool rank: fit a tiny Llama from the datamodule under UlyssesFPDTStrategy; count the rank's
-    tokenizer calls (prepare_data tokenizes on the node's first process only; setup reads the cache)."""
+def _fit_from_datamodule(
+    root: str, sp: int, steps: int, continue_documents: bool = False
+) -> tuple[dict, list[float], int]:
+    """On every pool rank: fit a tiny Llama (RoPE covering exactly the 24-token row) from the datamodule under
+    UlyssesFPDTStrategy; count the rank's tokenizer calls (prepare_data tokenizes on the node's first process
+    only; setup reads the cache). ``steps`` None: one epoch."""
     import lightning as L
     import torch.distributed as dist
 
@@ -415,15 +428,17 @@ def _fit_from_datamodule(root: str, sp: int, steps: int) -> tuple[dict, list[flo
     hf_data._Tokenize.__call__ = counted
     try:
         dm = HFDatasetDataModule(
-            "json", f"{root}/tok", 24, data_files=f"{root}/c.jsonl", cache_dir=f"{root}/cache"
-        )
-
-        module = HFModule(tiny_model("llama"), lr=LR)  # no dataset: the datamodule's loader is used
+            "json", f"{root}/tok", 24, data_files=f"{root}/c.jsonl", cache_dir=f"{root}/cache",
+            continue_documents=continue_documents,
+        )  # fmt: skip
+        model = tiny_model("llama", max_position_embeddings=24)
+        module = HFModule(model, lr=LR)  # no dataset: the datamodule's loader is used
         trainer = L.Trainer(
             strategy=UlyssesFPDTStrategy(sequence_parallel_size=sp),
             accelerator="cpu",
             devices=dist.get_world_size(),
-            max_steps=steps,
+            max_steps=-1 if steps is None else steps,
+            max_epochs=1,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -449,16 +464,34 @@ def _row_loss(model, row: dict[str, torch.Tensor]) -> torch.Tensor:
     return total / count
 
 
+def _refusal_from_datamodule(root: str) -> str:
+    """On every pool rank: the refusal of the same fit with positions carried across rows (raised in the
+    strategy's setup, before any step)."""
+    try:
+        _fit_from_datamodule(root, 2, None, continue_documents=True)
+    except ValueError as err:
+        return str(err)
+    return "not refused"
+
+
+def _long_texts() -> list[str]:
+    """Documents of 0.5x to 5x the 24-token row (a word is a token; BOS and EOS added)."""
+    rnd = random.Random(4)
+    return [" ".join(rnd.choices(WORDS, k=k)) for k in (10, 118, 30, 70, 22, 45, 100, 14)]
+
+
 @pytest.mark.slow
 def test_trainer_at_sp2_equals_one_process(dist_pool, tmp_path, toks):
+    """A corpus whose documents run 0.5x to 5x the row, a model whose RoPE covers exactly the row: one full
+    epoch at sp 2, no refusal, every step's loss and every parameter equal to one process. Positions carried on
+    across rows (``continue_documents=True``) are refused before the first step that holds them."""
     from torch.utils.data import DistributedSampler
 
     from helpers.hf_models import tiny_model
 
     shutil.copytree(toks["plain"], tmp_path / "tok")
-    _write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in _texts(16, seed=2)])
-    steps = 2
-    results = dist_pool(2).run(_fit_from_datamodule, str(tmp_path), 2, steps)
+    _write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in _long_texts()])
+    results = dist_pool(2).run(_fit_from_datamodule, str(tmp_path), 2, None)
     assert [calls > 0 for _, _, calls in results] == [True, False], "only the node's first process tokenizes"
 
     dm = HFDatasetDataModule(
@@ -470,11 +503,14 @@ def test_trainer_at_sp2_equals_one_process(dist_pool, tmp_path, toks):
     )
     dm.setup("fit")
     data = dm.train_dataset
+    steps = len(data)
     assert any(data[i]["position_ids"][1:].eq(0).any() for i in range(len(data))), "rows must pack documents"
+    assert sum(data[i]["position_ids"][0] == 0 and data[i]["labels"][0] == -100 for i in range(steps)) >= 8
+    assert all(len(losses) == steps for _, losses, _ in results), "one full epoch"
     order = list(
         DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
     )  # Lightning's, dp = 1
-    model = tiny_model("llama")
+    model = tiny_model("llama", max_position_embeddings=24)
     init = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
@@ -490,3 +526,10 @@ def test_trainer_at_sp2_equals_one_process(dist_pool, tmp_path, toks):
             assert (want - init[name]).abs().max() > 0, f"{name} never moved: the test would prove nothing"
             err = (state[name] - want).abs().max() / want.abs().max()
             assert err < 1e-5, f"{name}: relative error {err:.2e}"
+    # positions carried on across rows: refused at setup (the data module knows its rows), on every rank
+    refusals = dist_pool(2).run(_refusal_from_datamodule, str(tmp_path))
+    for message in refusals:
+        assert (
+            "the datamodule's rows hold a sequence of 120 positions, but the model's RoPE covers 24"
+            in message
+        )

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import lightning_longctx
 from lightning_longctx import recipes
 from lightning_longctx.attention import fpdt_attention, ulysses_attention
@@ -80,7 +82,12 @@ def test_the_core_never_imports_the_recipes():
         if "recipes" not in path.relative_to(PACKAGE).parts and (names := _recipe_imports(path))
     }
     assert not offenders, f"the core imports the recipes (move the shared piece into the core): {offenders}"
-    # and at run time (an importlib call would escape the scan): the package and its CLI load no recipe
+
+
+@pytest.mark.slow  # a fresh interpreter importing the package (~10 s)
+def test_the_package_loads_no_recipe_at_run_time():
+    """At run time too (an importlib call would escape the scan above): the package and its CLI load no
+    recipe."""
     code = "import sys, lightning_longctx, lightning_longctx.cli\n"
     code += f"print(sorted(m for m in sys.modules if m.startswith({RECIPES!r})))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

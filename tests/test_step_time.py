@@ -282,6 +282,7 @@ def test_cli_plan_with_a_measured_cpu(tmp_path, capsys):
     assert not (tmp_path / "absent.json").exists()
 
 
+@pytest.mark.slow  # a script in a fresh process; test_published_runs checks the same runs in the fast tier
 def test_bench_published_table():
     import subprocess
     import sys

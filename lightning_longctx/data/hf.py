@@ -300,6 +300,7 @@ class ArrowPackedDataset(Dataset):
         pad_id: int,
         packing: str = "documents",
         rows: np.ndarray | None = None,
+        continue_documents: bool = False,
     ) -> None:
         import pyarrow.compute as pc
 
@@ -307,6 +308,7 @@ class ArrowPackedDataset(Dataset):
         self.seq_len = seq_len
         self.pad_id = pad_id
         self.packing = packing
+        self.continue_documents = continue_documents
         self.rows = rows  # table rows of the documents, in order; None: every row
         self.has_mask = "loss_mask" in table.column_names
         lengths = pc.list_value_length(table.data.column("input_ids")).to_numpy()  # the offsets only
@@ -325,6 +327,16 @@ class ArrowPackedDataset(Dataset):
 
     def __len__(self) -> int:
         return self._len
+
+    def max_positions(self) -> int:
+        """The largest position id of any row, + 1, from the document lengths alone (no row is read): the
+        longest stretch between two restarts, a restart being a document start or, unless
+        ``continue_documents``, a row start; the last row's padding continues the last document."""
+        if self.packing == "none":
+            return self.seq_len  # each row one document, padded or cut to the row
+        ends = np.arange(self._len + 1, dtype=np.int64) * self.seq_len  # row starts, and the padded end
+        cuts = self.cum[:-1] if self.continue_documents else np.union1d(self.cum[:-1], ends[:-1])
+        return int(np.diff(np.append(np.unique(cuts), ends[-1])).max())
 
     def _slice(self, first: int, stop: int) -> Any:
         """The documents ``first..stop-1`` (in this dataset's order) as an Arrow table: zero-copy views of the
@@ -362,6 +374,8 @@ class ArrowPackedDataset(Dataset):
         counts = np.diff(np.clip(np.append(begins, end), start, end))
         pos = np.empty(s, dtype=np.int64)
         pos[:n] = np.arange(start, end) - np.repeat(begins, counts)
+        if not self.continue_documents:  # the document this row continues starts over (pack_documents)
+            pos[: counts[0]] -= pos[0]
         pos[n:] = pos[n - 1] + 1 + np.arange(s - n)  # padding continues the last document
         labels = ids.copy()
         labels[pos == 0] = IGNORE_INDEX  # no loss predicts a document's first token from the one before
@@ -443,6 +457,9 @@ class HFDatasetDataModule(PackedDataModule):
             column is used.
         packing: ``"documents"`` (concatenate and cut, no padding but at the very end) or ``"none"`` (one
             document per row, cut to ``seq_len`` or padded).
+        continue_documents: with ``"documents"``, a document longer than its row carries its positions on into
+            the next row instead of starting it over as a new document (:func:`~lightning_longctx.data.
+            pack_documents`).
         batch_size: rows per batch per data-parallel rank.
         val_split: a split to validate on (e.g. ``"validation"``).
         val_fraction: else, this fraction of the training documents (chosen by ``seed``, whole documents, the
@@ -478,6 +495,7 @@ class HFDatasetDataModule(PackedDataModule):
         split: str = "train",
         text_column: str = "text",
         packing: str = "documents",
+        continue_documents: bool = False,
         batch_size: int = 1,
         val_split: str | None = None,
         val_fraction: float = 0.0,
@@ -516,6 +534,7 @@ class HFDatasetDataModule(PackedDataModule):
         self.split = split
         self.text_column = text_column
         self.packing = packing
+        self.continue_documents = continue_documents
         self.batch_size = batch_size
         self.val_split = val_split
         self.val_fraction = val_fraction
@@ -684,7 +703,10 @@ class HFDatasetDataModule(PackedDataModule):
                 + (f" or shorter than min_doc_tokens={self.min_doc_tokens}" if self.min_doc_tokens else "")
                 + "; check the data (and text_column / min_doc_tokens)."
             )
-        kw = dict(seq_len=self.seq_len, pad_id=self.pad_token_id, packing=self.packing)
+        kw = dict(
+            seq_len=self.seq_len, pad_id=self.pad_token_id, packing=self.packing,
+            continue_documents=self.continue_documents,
+        )  # fmt: skip
         rows = None
         if self.val_split is not None:
             val = self._tokenized(self.val_split)

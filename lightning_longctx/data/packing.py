@@ -17,6 +17,7 @@ The demo's synthetic recall task lives in :mod:`lightning_longctx.recipes.recall
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -172,12 +173,20 @@ def _read_documents(files: Sequence[Path], text_key: str) -> list[str]:
 
 
 def pack_documents(
-    docs: Sequence[Sequence[int]], *, seq_len: int, pad_id: int, ignore_index: int = IGNORE_INDEX
+    docs: Sequence[Sequence[int]],
+    *,
+    seq_len: int,
+    pad_id: int,
+    ignore_index: int = IGNORE_INDEX,
+    continue_documents: bool = False,
 ) -> dict[str, Tensor]:
     """Concatenate tokenized documents and cut them into ``seq_len`` rows.
 
-    Each document in ``docs`` should already end with EOS. Documents may straddle rows; their
-    positions then continue in the next row.
+    Each document in ``docs`` should already end with EOS. A document longer than what is left of its row is
+    split at the row edge, and its rest starts the next row as a new document (positions from 0): a row is an
+    independent sequence, its tokens cannot attend to the row before, and positions carried on would only take
+    a long document past what the model's RoPE covers (the strategy refuses such a batch). So no position
+    reaches ``seq_len``. ``continue_documents=True`` carries the positions on into the next row instead.
 
     Returns:
         ``input_ids``, ``labels``, ``position_ids``, each ``(num_rows, seq_len)`` long, where
@@ -199,6 +208,8 @@ def pack_documents(
     starts = torch.cumsum(lengths, 0) - lengths
     # position within the own document: global index minus the document's start index
     pos = torch.arange(total) - torch.repeat_interleave(starts, lengths)
+    if not continue_documents:  # a document's piece that opens a row starts over at 0
+        pos = _restart_at_rows(pos, seq_len)
 
     rows = -(-total // seq_len)
     n_pad = rows * seq_len - total
@@ -214,6 +225,14 @@ def pack_documents(
     }
 
 
+def _restart_at_rows(pos: Tensor, seq_len: int) -> Tensor:
+    """Positions ``(total,)`` in their documents, with each row's first piece (the tokens before the row's first
+    position 0) counted from 0: the document it continues is split at the row edge."""
+    starts = torch.arange(pos.numel()) // seq_len * seq_len  # each token's row start
+    piece = torch.cumsum((pos == 0).long(), 0) == torch.cumsum((pos == 0).long(), 0)[starts]
+    return torch.where(piece, pos - pos[starts], pos)
+
+
 class PackedDataset(Dataset):
     """Rows of :func:`pack_documents`: items are dicts of ``(seq_len,)`` long tensors."""
 
@@ -225,6 +244,10 @@ class PackedDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
         return {k: v[index] for k, v in self.packed.items()}
+
+    def max_positions(self) -> int:
+        """The largest position id of any row, + 1: the longest sequence a model's RoPE must cover."""
+        return int(self.packed["position_ids"].max()) + 1
 
 
 def validation_documents(num_docs: int, fraction: float, seed: int) -> Tensor:
@@ -250,6 +273,18 @@ class PackedDataModule(L.LightningDataModule):
     val_dataset: Dataset | None
     batch_size: int
     num_workers: int
+
+    def max_positions(self) -> int | None:
+        """The largest position id of any training or validation row, + 1 (after ``setup()``): what the
+        strategy checks against the model's RoPE before the first step; ``None`` when a dataset cannot tell
+        (it has no ``max_positions()``)."""
+        self.setup("fit")
+        found = [
+            getattr(d, "max_positions", None) for d in (self.train_dataset, self.val_dataset) if d is not None
+        ]
+        if not found or not all(callable(f) for f in found):
+            return None
+        return max(f() for f in found)
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -289,6 +324,8 @@ class TextFilesDataModule(PackedDataModule):
         seed: seeds the validation split.
         num_workers: ``DataLoader`` workers.
         add_bos: prepend the tokenizer's BOS to each document.
+        continue_documents: a document longer than its row carries its positions on into the next row instead
+            of starting it over as a new document (:func:`pack_documents`).
     """
 
     def __init__(
@@ -302,6 +339,7 @@ class TextFilesDataModule(PackedDataModule):
         seed: int = 0,
         num_workers: int = 0,
         add_bos: bool = True,
+        continue_documents: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -318,6 +356,7 @@ class TextFilesDataModule(PackedDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self.add_bos = add_bos
+        self.continue_documents = continue_documents
         self._tokenizer: ByteTokenizer | _HFTokenizer | None = None
         self.train_dataset: PackedDataset | None = None
         self.val_dataset: PackedDataset | None = None
@@ -349,9 +388,12 @@ class TextFilesDataModule(PackedDataModule):
             raise ValueError(f"all documents in paths={self.paths} are empty; nothing to train on.")
         is_val = validation_documents(len(docs), self.val_fraction, self.seed)
         n_val = int(is_val.sum())
-        pad = self.tokenizer.pad_token_id
+        pack = functools.partial(
+            pack_documents, seq_len=self.seq_len, pad_id=self.tokenizer.pad_token_id,
+            continue_documents=self.continue_documents,
+        )  # fmt: skip
         train_tokens = [self._tokenize(d) for d, v in zip(docs, is_val.tolist()) if not v]
-        self.train_dataset = PackedDataset(pack_documents(train_tokens, seq_len=self.seq_len, pad_id=pad))
+        self.train_dataset = PackedDataset(pack(train_tokens))
         if n_val:
             val_tokens = [self._tokenize(d) for d, v in zip(docs, is_val.tolist()) if v]
-            self.val_dataset = PackedDataset(pack_documents(val_tokens, seq_len=self.seq_len, pad_id=pad))
+            self.val_dataset = PackedDataset(pack(val_tokens))

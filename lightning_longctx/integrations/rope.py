@@ -150,11 +150,12 @@ class RopeLimit:
     original: int
     rope_type: str
 
-    def error(self, model_name: str, longest: int) -> ValueError:
+    def error(self, model_name: str, longest: int, holder: str = "this batch holds") -> ValueError:
+        """The refusal of ``longest`` positions; ``holder`` says what holds them (a batch, the data's rows)."""
         factor = math.ceil(longest / self.original)
         scaled = "" if self.rope_type == "default" else f", rope_type {self.rope_type!r}"
         return ValueError(
-            f"{model_name}: this batch holds a sequence of {longest} positions, but the model's RoPE covers "
+            f"{model_name}: {holder} a sequence of {longest} positions, but the model's RoPE covers "
             f"{self.limit} (max_position_embeddings={self.max_position_embeddings}{scaled}): it would train on "
             "positions it never saw, silently. Extend the context with a rope scaling, e.g. "
             f"CausalLM(config_overrides={{'rope_parameters': {{'rope_type': 'yarn', 'factor': {factor}, "

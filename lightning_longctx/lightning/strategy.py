@@ -432,6 +432,8 @@ class UlyssesFPDTStrategy(FirstStepChecks, CheckpointHooks, ParallelStrategy):
                 "ring_size=1, or call lightning_longctx.attention.ring.usp_attention in your module with "
                 "batches from shard_batch(..., ring=ring_size)"
             )
+        if self._fitting:
+            self.plan.check_data_positions(trainer.datamodule)
         self._announce_self_test()
         if self._fitting:
             self.setup_optimizers(trainer)

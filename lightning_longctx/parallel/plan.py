@@ -273,12 +273,23 @@ class ParallelPlan:
                     "DistributedSampler (let Lightning add it: use_distributed_sampler=True)"
                 )
 
-    def _check_rope(self, longest: int) -> None:
+    def _check_rope(self, longest: int, holder: str = "this batch holds") -> None:
         """RoPE models: no position past what the model's rotary embedding covers (``integrations/rope.py``),
-        from the largest position of every rank's batch (packed documents restart their positions)."""
+        from the largest position of every rank's batch (packed documents restart their positions), or of the
+        data's rows (:meth:`check_data_positions`)."""
         for ctx in self.contexts:
             if ctx.rope_limit is not None and longest > ctx.rope_limit.limit:
-                raise ctx.rope_limit.error(ctx.model_name, longest)
+                raise ctx.rope_limit.error(ctx.model_name, longest, holder)
+
+    def check_data_positions(self, datamodule: Any) -> None:
+        """Before the first step: a data module that knows its rows (``max_positions()``: the largest position
+        id + 1 of any training or validation row, as :class:`~lightning_longctx.data.TextFilesDataModule` and
+        :class:`~lightning_longctx.data.HFDatasetDataModule` give) is checked against the model's RoPE here,
+        rather than at the batch that first holds the position, hours into the run."""
+        known = getattr(datamodule, "max_positions", None)
+        longest = known() if callable(known) else None
+        if longest is not None:
+            self._check_rope(int(longest), "the datamodule's rows hold")
 
     def _check_hybrid(self, packed: bool, short: bool) -> None:
         """Hybrid models: what their mixers refuse (packed documents, segments shorter than a conv's halo);
