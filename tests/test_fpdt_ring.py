@@ -10,11 +10,10 @@ import torch.distributed as dist
 
 from helpers.launch import process_groups
 from helpers.marks import WORLD8
-from helpers.reference import packed_positions, reference_attention
+from helpers.ring import check_rank_errors, inputs, reference
 from lightning_longctx.parallel.sharding import document_ids, gather_sequence, global_index, shard_sequence
 
-N, D, C = 64, 8, 2  # global tokens, head dim, FPDT chunk per rank (N % (2 * P * C) == 0 up to P = 8)
-TOL = 1e-10
+N, C = 64, 2  # global tokens, FPDT chunk per rank (N % (2 * P * C) == 0 up to P = 8); head dim helpers.ring.D
 
 CASES = {
     "causal": dict(),
@@ -30,16 +29,6 @@ CASES = {
         h=4, h_kv=1, packed=[5, 11, 3, 13, 9, 23], window=6, sinks=[8.0, -8.0, 3.0, -3.0], block=3
     ),
 }
-
-
-def _inputs(cfg: dict, seed: int = 0):
-    b, h, h_kv = cfg.get("b", 2), cfg.get("h", 2), cfg.get("h_kv", cfg.get("h", 2))
-    g = torch.Generator().manual_seed(seed)
-    q, k, v, w = (torch.randn(b, N, x, D, generator=g, dtype=torch.float64) for x in (h, h_kv, h_kv, h))
-    k = k + torch.arange(N, dtype=torch.float64)[None, :, None, None] / N  # every block visibly different
-    pos = packed_positions(b, N, cfg["packed"]) if "packed" in cfg else None
-    sinks = torch.tensor(cfg["sinks"], dtype=torch.float64) if "sinks" in cfg else None
-    return q, k, v, w, pos, sinks
 
 
 def _errors(ring: int) -> dict:
@@ -58,15 +47,9 @@ def _errors(ring: int) -> dict:
 
         found = {}
         for name, cfg in CASES.items():
-            q, k, v, w, pos, sinks = _inputs(cfg)
-            ins = [x.clone().requires_grad_() for x in (q, k, v)]
-            s = None if sinks is None else sinks.clone().requires_grad_()
-            ref = reference_attention(
-                *ins, causal=cfg.get("causal", True), position_ids=pos, scale=cfg.get("scale"),
-                sliding_window=cfg.get("window"), softcap=cfg.get("softcap"), sinks=s,
-            )  # fmt: skip
-            (ref * w).sum().backward()
-            want = [shard(x) for x in (ref.detach(), *(x.grad for x in ins))]
+            q, k, v, w, pos, sinks = inputs(cfg, n=N)
+            *ref, ref_dsinks = reference(cfg, q, k, v, w, pos, sinks)
+            want = [shard(x) for x in ref]
             variants = [("auto", False)]
             if name in ("documents", "everything"):  # offload and the math blocks: the same numbers
                 variants += [("auto", True), ("math", True)]
@@ -87,7 +70,7 @@ def _errors(ring: int) -> dict:
                 found[name, backend, offload] = (
                     err if finite else float("inf"),
                     None if gs is None else gs.grad,
-                    None if s is None else s.grad,
+                    ref_dsinks,
                 )
         return found
 
@@ -100,14 +83,7 @@ def test_fpdt_ring_matches_full_attention(dist_pool, world, ring):
     dq, dk, dv within 1e-10 of float64 full attention, dsinks summed over the sp group too; GQA with fewer kv
     heads than U, uneven heads, documents across the seams, windows, softcap, sinks; offload on and off, the
     fused and the math blocks."""
-    per_rank = dist_pool(world).run(_errors, ring)
-    for key in per_rank[0]:
-        errs = [r[key][0] for r in per_rank]
-        assert max(errs) < TOL, (key, errs)
-        ref_dsinks = per_rank[0][key][2]
-        if ref_dsinks is not None:
-            err = (sum(r[key][1] for r in per_rank) - ref_dsinks).abs().max().item()
-            assert err < TOL, (key, err)
+    check_rank_errors(dist_pool(world).run(_errors, ring))
 
 
 def test_fpdt_ring_layout():
@@ -274,7 +250,7 @@ def test_fpdt_ring_refusals():
     the ring's own checks (documents, window, tiles, backend) run before any collective."""
     from lightning_longctx.attention.fpdt_ring import fpdt_ring_attention
 
-    q, k, v, _, pos, _ = _inputs(dict(h=4, h_kv=2, packed=[5, 11, 3, 13, 9, 23]))
+    q, k, v, _, pos, _ = inputs(dict(h=4, h_kv=2, packed=[5, 11, 3, 13, 9, 23]), n=N)
     docs = document_ids(pos)
 
     def call(**kw):

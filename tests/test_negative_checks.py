@@ -25,7 +25,7 @@ from arch_sweep import PACKED_TOLERANCE, sweep_packed
 from fuzz_attention import TIMEOUT_S, TOLERANCE, AttnCase, run_attention
 from fuzz_common import run_verdict
 
-from helpers.ring import check_usp, usp_errors
+from helpers.ring import check_rank_errors, usp_errors
 from lightning_longctx.testing import Sabotage, assert_catches, assert_error_above, sabotaged
 
 # ---- the sabotages (top-level functions, so that a Sabotage naming them pickles to the ranks) -----------
@@ -112,7 +112,7 @@ USP_CAUSAL = AttnCase(world=4, mode="ulysses", b=2, h=2, h_kv=2, d=8, chunk_size
     ids=["sp_shard", "all_to_all"],
 )
 def test_usp_check_catches_a_reversed_piece_order(dist_pool, sabotage, figure):
-    """``test_usp_matches_full_attention[4-2]``'s check (``helpers.ring.check_usp``): every case, both layouts,
+    """``test_usp_matches_full_attention[4-2]``'s check (``helpers.ring.check_rank_errors``): every case, both layouts,
     out / dq / dk / dv of every rank within 1e-10 of float64 full attention. The figure is the causal zigzag
     case's absolute error (a piece order is invisible to non-causal attention, which permutes with its
     tokens)."""
@@ -121,7 +121,7 @@ def test_usp_check_catches_a_reversed_piece_order(dist_pool, sabotage, figure):
     def usp_attention_matches_reference() -> None:
         per_rank = dist_pool(4).run(sabotaged(sabotage, usp_errors), 2)
         worst.append(max(r["causal", "zigzag"][0] for r in per_rank))
-        check_usp(per_rank)
+        check_rank_errors(per_rank)
 
     assert_catches(usp_attention_matches_reference, sabotage)
     assert worst[0] == pytest.approx(figure, abs=0.05), worst

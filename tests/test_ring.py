@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from helpers.launch import process_groups
 from helpers.marks import WORLD8
-from helpers.ring import CASES, TOL, D, N, check_usp, inputs, reference, usp_errors
+from helpers.ring import CASES, TOL, D, N, check_rank_errors, inputs, reference, usp_errors
 from lightning_longctx.attention.ring import RING_LAYOUTS, RingLayout, ring_attention, ring_work
 from lightning_longctx.parallel.comm import count_all_to_all
 from lightning_longctx.parallel.sharding import document_ids
@@ -305,7 +305,7 @@ def test_usp_matches_full_attention(dist_pool, world, ring):
     """(U, r) = (1, 2), (2, 2), (1, 4), and (4, 2) at world 8 (opt-in): every rank's out, dq, dk, dv within 1e-10 of float64 full attention,
     dsinks summed over the sp group too; both layouts; GQA with fewer kv heads than U, uneven heads, documents,
     windows, sinks."""
-    check_usp(dist_pool(world).run(usp_errors, ring))
+    check_rank_errors(dist_pool(world).run(usp_errors, ring))
 
 
 # ---- the strategy: ring_size (Ulysses x ring) against one process --------------------------------------

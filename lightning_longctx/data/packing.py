@@ -229,8 +229,8 @@ def _restart_at_rows(pos: Tensor, seq_len: int) -> Tensor:
     """Positions ``(total,)`` in their documents, with each row's first piece (the tokens before the row's first
     position 0) counted from 0: the document it continues is split at the row edge."""
     starts = torch.arange(pos.numel()) // seq_len * seq_len  # each token's row start
-    piece = torch.cumsum((pos == 0).long(), 0) == torch.cumsum((pos == 0).long(), 0)[starts]
-    return torch.where(piece, pos - pos[starts], pos)
+    document = torch.cumsum((pos == 0).long(), 0)  # each token's document number
+    return torch.where(document == document[starts], pos - pos[starts], pos)
 
 
 class PackedDataset(Dataset):

@@ -1,5 +1,5 @@
 """The ring tests' float64 cases and the ``usp_attention`` check (tests/test_ring.py; its sabotage in
-tests/test_negative_checks.py)."""
+tests/test_negative_checks.py); tests/test_fpdt_ring.py checks FPDT x ring with them too."""
 
 from __future__ import annotations
 
@@ -98,8 +98,9 @@ def usp_errors(ring: int) -> dict:
         return found
 
 
-def check_usp(per_rank: list[dict]) -> float:
-    """Every rank's out, dq, dk, dv within TOL of the reference, dsinks summed over the sp group too; returns
+def check_rank_errors(per_rank: list[dict]) -> float:
+    """``per_rank``: each rank's ``{key: (max error of its out / dq / dk / dv, its partial dsinks or None, the
+    reference's dsinks or None)}``. Every rank's error within TOL, dsinks summed over the sp group too; returns
     the worst error."""
     worst = 0.0
     for key in per_rank[0]:
